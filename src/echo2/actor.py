@@ -1,0 +1,256 @@
+"""The actor contract: what every echo2 actor is, and what the runtime hands it.
+
+An actor has three explicit phases:
+
+* ``__init__(name, config, job)``: pure; no sockets, files or threads.
+* ``await setup(ctx)``: open endpoints (``ctx.open(port)``), load models. When it returns
+  the actor is ready: its bound sockets accept peers.
+* ``await run()``: the actor's loop. Returning means it finished; raising means it failed
+  (the runtime logs the cause and brings the process down). It must watch
+  ``ctx.stopping`` and return promptly once set (drain), and it may be cancelled outright
+  (second signal or drain deadline), so it must re-raise ``CancelledError``.
+* ``await aclose()``: always runs, releases what setup acquired (the runtime also closes
+  every endpoint opened through ``ctx``).
+
+Placement (process, host, threads) never appears here: the topology decides it, and
+``ctx.open(port)`` receives addresses derived from it (inproc, ipc or tcp).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TextIO
+
+import msgspec
+
+from echo2.errors import ConfigError
+from echo2.messages import Message
+from echo2.transport import Endpoint, SocketOptions, Transport
+from echo2.transport.endpoint import OnFull
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """A named channel end an actor kind declares: socket kind and whether it binds.
+
+    For each channel name the binders are found from the topology, and each connector gets
+    one address per binder (so several Rewarders behind one ``rollouts`` channel just work).
+    """
+
+    socket: str  # "push" | "pull" | "dealer" | "router" | "pub" | "sub"
+    bind: bool
+    hwm: int = 1000
+    on_full: OnFull = "block"
+    max_message_bytes: int = 64 * 1024 * 1024
+    channel: str = ""  # defaults to the port's own name
+
+
+@dataclasses.dataclass(frozen=True)
+class PortAddresses:
+    """Addresses the runtime resolved for one port of one actor."""
+
+    bind: tuple[str, ...] = ()
+    connect: tuple[str, ...] = ()
+
+
+class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Settings several actors must agree on. One ``[job]`` table in the topology."""
+
+    staleness: int = msgspec.field(default=3)
+    """S: a group made by policy version v is trained at learner version t only if v >= t - S."""
+    task: str = "addition"
+    """Built-in task name or ``module:function`` returning a Task."""
+    task_kwargs: dict[str, Any] = {}
+    reward: str = ""
+    """Optional ``module:function`` reward overriding the task's own."""
+    group_size: int = 8
+    """G: completions sampled per prompt (one GRPO group)."""
+    groups_per_step: int = 16
+    """Prompts (groups) per learner update; R = groups_per_step * group_size rollouts."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    model: str = ""
+    """Model directory; empty = the built-in warm-started tiny model."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        if self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
+        if self.groups_per_step < 1:
+            raise ValueError("groups_per_step must be >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.temperature <= 0.0:
+            raise ValueError("temperature must be > 0")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base of each actor kind's ``Config``; an empty config is valid."""
+
+
+class Actor:
+    """Base class of actors. Subclasses set ``kind``, ``Config`` and ``ports``."""
+
+    kind: ClassVar[str] = ""
+    Config: ClassVar[type[ActorConfig]] = ActorConfig
+    ports: ClassVar[Mapping[str, Port]] = {}
+    completes_run: ClassVar[bool] = False
+    """True if this actor returning from run() means the whole run is done (the Learner)."""
+
+    def __init__(self, name: str, config: ActorConfig | None = None, job: JobConfig | None = None):
+        self.name = name
+        self.config = config if config is not None else self.Config()
+        self.job = job if job is not None else JobConfig()
+        self.ctx: ActorContext  # set in setup()
+
+    @classmethod
+    def torch_weight(cls, config: ActorConfig) -> float:
+        """Share of the host's cores this actor's torch work wants (0: no torch)."""
+        return 0.0
+
+    @classmethod
+    def parse_config(cls, raw: Mapping[str, Any], path: str) -> ActorConfig:
+        return convert_config(raw, cls.Config, path)
+
+    async def setup(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Release what setup acquired; endpoints opened via ctx are closed by the runtime."""
+
+    def statistics(self) -> dict[str, float]:
+        """Flat counters for heartbeats and metrics."""
+        return {}
+
+
+class ActorContext:
+    """What the runtime gives an actor: its endpoints, run directory and stop signal."""
+
+    def __init__(
+        self,
+        *,
+        actor_name: str,
+        process: str,
+        transport: Transport,
+        ports: Mapping[str, PortAddresses],
+        declared: Mapping[str, Port],
+        run_dir: Path | None,
+        stopping: asyncio.Event,
+        telemetry: Any = None,
+        started_at: float | None = None,
+    ) -> None:
+        self.actor_name = actor_name
+        self.process = process
+        self.transport = transport
+        self.stopping = stopping
+        self.run_dir = run_dir
+        self.log = logging.getLogger(f"echo2.{actor_name}")
+        self.started_at = started_at if started_at is not None else time.time()
+        self._ports = ports
+        self._declared = declared
+        self._telemetry = telemetry
+        self._metrics_file: TextIO | None = None
+        self._endpoints: list[Endpoint] = []
+
+    def has_peers(self, port: str) -> bool:
+        addresses = self._ports.get(port)
+        return bool(addresses and (addresses.bind or addresses.connect))
+
+    def open(self, port: str, **overrides: Any) -> Any:
+        """Open the endpoint for a declared port at its resolved addresses."""
+        try:
+            spec = self._declared[port]
+        except KeyError:
+            raise ConfigError(f"actor {self.actor_name!r} has no port {port!r}") from None
+        addresses = self._ports.get(port, PortAddresses())
+        options = overrides.pop(
+            "options", SocketOptions(hwm=spec.hwm, max_message_bytes=spec.max_message_bytes)
+        )
+        endpoint = self.transport.open(
+            spec.socket,
+            name=f"{self.actor_name}.{port}",
+            bind=addresses.bind,
+            connect=addresses.connect,
+            options=options,
+            on_full=overrides.pop("on_full", spec.on_full),
+            **overrides,
+        )
+        self._endpoints.append(endpoint)
+        return endpoint
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return list(self._endpoints)
+
+    def close_endpoints(self) -> None:
+        for endpoint in self._endpoints:
+            endpoint.close()
+
+    async def publish_telemetry(self, topic: bytes, message: Message) -> None:
+        """Best effort: telemetry is lossy by design and never on the data path."""
+        if self._telemetry is not None:
+            await self._telemetry.publish(topic, message)
+
+    def record(self, kind: str, **values: Any) -> None:
+        """Append one JSON line to ``run_dir/metrics/<actor>.jsonl`` (no-op without a run dir)."""
+        if self.run_dir is None:
+            return
+        if self._metrics_file is None:
+            directory = self.run_dir / "metrics"
+            directory.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(directory / f"{self.actor_name}.jsonl", "a", buffering=1)
+        line = {"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values}
+        self._metrics_file.write(json.dumps(line, default=_json_default) + "\n")
+
+    def close(self) -> None:
+        self.close_endpoints()
+        if self._metrics_file is not None:
+            self._metrics_file.close()
+            self._metrics_file = None
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def convert_config(raw: Mapping[str, Any], config_type: type[Any], path: str) -> Any:
+    """Decode a raw TOML table into a typed config, errors as ``path.field: problem``."""
+    try:
+        return msgspec.convert(dict(raw), config_type, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_rewrite_msgspec_error(str(exc), path)) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc), path=path) from None
+
+
+def _rewrite_msgspec_error(message: str, path: str) -> str:
+    """'Expected `int`, got `str` - at `$.actors[0].hwm`' -> 'path.actors[0].hwm: Expected ...'."""
+    text, sep, where = message.rpartition(" - at `")
+    if not sep:
+        return f"{path}: {message}"
+    where = where.rstrip("`")
+    suffix = where[1:] if where.startswith("$") else where
+    return f"{path}{suffix}: {text}"
+
+
+def default_cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

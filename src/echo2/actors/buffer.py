@@ -1,0 +1,204 @@
+"""Buffer: stores scored groups and hands the Learner admissible batches. The accountant.
+
+Role: every group ends here exactly once, as stored (and later trained, or dropped as
+stale) or as dropped on arrival with a reason: ``duplicate`` (task already stored or
+trained), ``late`` (its lease had expired), ``stale`` (policy version below
+``learner_version - S``), or the Rewarder's reason. Counts per reason are in every
+``Batch`` reply and in ``statistics()``.
+
+Admission (bounded staleness): a group made by version ``v`` is admissible for a learner
+at version ``t`` only if ``v >= t - S``; with ``S = 0`` only the current version trains.
+Groups are handed out oldest first, which keeps staleness low.
+
+Input: ``scored`` (PULL, bound) — ``ScoredGroup`` from Rewarders; ``batch`` (ROUTER,
+bound) — ``BatchRequest`` from the Learner; ``lease_control`` (PULL, bound) —
+``ExpireLease`` from the PromptSource.
+Output: ``Batch`` to the Learner; ``LeaseClosed`` and ``LearnerProgress`` on
+``completions`` (PUSH, to the PromptSource).
+
+Backpressure: a batch request waits until enough admissible groups exist (that wait is
+the learner's bubble). The store is bounded by the PromptSource's in-flight window.
+
+Shutdown: on ``stopping`` it returns; a pending batch request is not answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import ClassVar
+
+from echo2.actor import Actor, ActorConfig, Port
+from echo2.actors.common import run_until_stopped
+from echo2.messages import (
+    Batch,
+    BatchRequest,
+    ExpireLease,
+    LeaseClosed,
+    LearnerProgress,
+    ScoredGroup,
+)
+
+
+class BufferConfig(ActorConfig):
+    max_groups: int = 4096
+    """Most groups held; beyond it the oldest are dropped as ``overflow`` (a safety net:
+    the PromptSource's window normally keeps the store far smaller)."""
+
+
+class Buffer(Actor):
+    kind: ClassVar[str] = "buffer"
+    Config = BufferConfig
+    ports: ClassVar[dict[str, Port]] = {
+        "scored": Port("pull", bind=True),
+        "batch": Port("router", bind=True),
+        "lease_control": Port("pull", bind=True),
+        "completions": Port("push", bind=False),
+    }
+    config: BufferConfig
+
+    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+        await super().setup(ctx)
+        self._store: deque[ScoredGroup] = deque()
+        self._seen_tasks: set[str] = set()  # stored or trained task ids
+        self._stored_leases: set[int] = set()
+        self._expired_leases: set[int] = set()
+        self._learner_version = 0
+        self._pending: tuple[bytes, BatchRequest] | None = None
+        self.counters: dict[str, int] = {
+            "groups_stored": 0,
+            "groups_trained": 0,
+            "groups_dropped_after_store": 0,
+            "batches_served": 0,
+        }
+        self.dropped: dict[str, int] = {}
+        self._scored = ctx.open("scored")
+        self._batch = ctx.open("batch")
+        self._control = ctx.open("lease_control")
+        self._completions = ctx.open("completions")
+
+    def statistics(self) -> dict[str, float]:
+        return {
+            **self.counters,
+            **{f"dropped_{reason}": n for reason, n in self.dropped.items()},
+            "stored_now": len(self._store),
+            "learner_version": self._learner_version,
+        }
+
+    async def run(self) -> None:
+        await run_until_stopped(
+            self.ctx.stopping, self._receive_scored(), self._serve_batches(), self._receive_control()
+        )
+
+    # -- accounting ------------------------------------------------------------------
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def _admissible(self, version: int) -> bool:
+        return version >= self._learner_version - self.job.staleness
+
+    async def _close(self, group: ScoredGroup, outcome: str) -> None:
+        g = group.group
+        await self._completions.send(
+            LeaseClosed(lease_id=g.lease_id, task_id=g.task_id, attempt=g.attempt, outcome=outcome)
+        )
+
+    async def _receive_scored(self) -> None:
+        while True:
+            for message in await self._scored.recv_many():
+                if isinstance(message, ScoredGroup):
+                    await self._accept(message)
+            await self._answer_pending()
+
+    async def _accept(self, scored: ScoredGroup) -> None:
+        g = scored.group
+        if g.lease_id in self._expired_leases:
+            self._drop("late")
+            await self._close(scored, "late")
+        elif g.task_id in self._seen_tasks:
+            self._drop("duplicate")
+            await self._close(scored, "duplicate")
+        elif scored.dropped_reason:
+            self._drop(scored.dropped_reason)
+            self._seen_tasks.add(g.task_id)
+            await self._close(scored, f"dropped:{scored.dropped_reason}")
+        elif not self._admissible(g.version):
+            self._drop("stale")
+            self._seen_tasks.add(g.task_id)
+            await self._close(scored, "dropped:stale")
+        else:
+            self._store.append(scored)
+            self._seen_tasks.add(g.task_id)
+            self._stored_leases.add(g.lease_id)
+            self.counters["groups_stored"] += 1
+            await self._close(scored, "stored")
+            if len(self._store) > self.config.max_groups:
+                self._store.popleft()
+                self._drop("overflow")
+                self.counters["groups_dropped_after_store"] += 1
+
+    async def _receive_control(self) -> None:
+        while True:
+            for message in await self._control.recv_many():
+                if not isinstance(message, ExpireLease):
+                    continue
+                if message.lease_id in self._stored_leases:
+                    outcome = "stored"
+                else:
+                    self._expired_leases.add(message.lease_id)
+                    outcome = "expired"
+                await self._completions.send(
+                    LeaseClosed(
+                        lease_id=message.lease_id,
+                        task_id=message.task_id,
+                        attempt=message.attempt,
+                        outcome=outcome,
+                    )
+                )
+
+    # -- batches ---------------------------------------------------------------------
+
+    async def _serve_batches(self) -> None:
+        while True:
+            for peer, message in await self._batch.recv_many():
+                if isinstance(message, BatchRequest):
+                    self._pending = (peer, message)
+                    self._learner_version = max(self._learner_version, message.version)
+            await self._answer_pending()
+
+    def _evict_stale(self) -> int:
+        kept = deque(g for g in self._store if self._admissible(g.group.version))
+        evicted = len(self._store) - len(kept)
+        if evicted:
+            self._store = kept
+            self._drop("stale", evicted)
+            self.counters["groups_dropped_after_store"] += evicted
+        return evicted
+
+    async def _answer_pending(self) -> None:
+        if self._pending is None:
+            return
+        peer, request = self._pending
+        evicted = self._evict_stale()
+        if len(self._store) < request.num_groups:
+            if evicted:
+                await self._report_progress(request.version)
+            return
+        self._pending = None
+        groups = [self._store.popleft() for _ in range(request.num_groups)]
+        self.counters["groups_trained"] += len(groups)
+        self.counters["batches_served"] += 1
+        stats = {**self.counters, **{f"dropped_{k}": v for k, v in self.dropped.items()}}
+        await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer_stats=stats))
+        await self._report_progress(request.version + 1)
+
+    async def _report_progress(self, next_version: int) -> None:
+        await self._completions.send(
+            LearnerProgress(
+                next_version=next_version,
+                groups_stored=self.counters["groups_stored"],
+                groups_trained=self.counters["groups_trained"],
+                groups_dropped_after_store=self.counters["groups_dropped_after_store"],
+            )
+        )

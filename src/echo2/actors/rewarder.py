@@ -1,0 +1,154 @@
+"""Rewarder: scores every completion of a rollout group with the task's reward function.
+
+Role: the trusted side of scoring. Reward code is user code: it may raise or hang. Each
+completion is scored in a worker thread with a deadline (``item_timeout_s``); a completion
+whose reward raised, timed out or returned a non-finite number is kept out of training
+(``keep[i] = False``) and counted by reason, and the group goes on. A group with fewer than
+``min_kept`` scored completions is forwarded as dropped so that the Buffer, the single
+accountant, closes its lease.
+
+Input: ``rollouts`` (PULL, bound; every Sampler connects) — ``RolloutGroup``.
+Output: ``scored`` (PUSH, to the Buffer) — ``ScoredGroup``.
+
+Backpressure: at most ``max_concurrent_groups`` groups are scored at once; beyond that the
+Rewarder stops reading, the PULL queue fills to its HWM and samplers block on send.
+
+Hung reward code: Python cannot kill a thread. A timed-out call keeps its thread; the
+number of such threads is in ``statistics()["stuck_threads"]``, and the pool is replaced
+once ``max_stuck_threads`` are stuck, so scoring continues at full width.
+
+Shutdown: on ``stopping`` it stops reading and returns; unscored groups' leases expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import time
+from typing import ClassVar
+
+import numpy as np
+
+from echo2.actor import Actor, ActorConfig, Port
+from echo2.actors.common import load_job_task, run_until_stopped
+from echo2.messages import RolloutGroup, ScoredGroup
+from echo2.tasks.base import Prompt
+
+
+class RewarderConfig(ActorConfig):
+    item_timeout_s: float = 5.0
+    """Deadline for one completion's reward call."""
+    threads: int = 4
+    max_concurrent_groups: int = 8
+    min_kept: int = 2
+    """A group needs this many scored completions to be trainable (GRPO needs a baseline)."""
+    max_stuck_threads: int = 16
+
+
+class Rewarder(Actor):
+    kind: ClassVar[str] = "rewarder"
+    Config = RewarderConfig
+    ports: ClassVar[dict[str, Port]] = {
+        "rollouts": Port("pull", bind=True),
+        "scored": Port("push", bind=False),
+    }
+    config: RewarderConfig
+
+    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+        await super().setup(ctx)
+        self._task = load_job_task(self.job)
+        self._pool = self._new_pool()
+        self._stuck = 0
+        self._slots = asyncio.Semaphore(self.config.max_concurrent_groups)
+        self._rollouts = ctx.open("rollouts")
+        self._scored = ctx.open("scored")
+        self.counters: dict[str, int] = {"groups_scored": 0, "groups_dropped": 0, "items_scored": 0}
+        self.item_errors: dict[str, int] = {}
+
+    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.config.threads, thread_name_prefix=f"{self.name}-reward"
+        )
+
+    def statistics(self) -> dict[str, float]:
+        return {
+            **self.counters,
+            **{f"item_{k}": v for k, v in self.item_errors.items()},
+            "stuck_threads": self._stuck,
+        }
+
+    async def aclose(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self) -> None:
+        await run_until_stopped(self.ctx.stopping, self._serve())
+
+    async def _serve(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            while True:
+                for message in await self._rollouts.recv_many(self.config.max_concurrent_groups):
+                    if isinstance(message, RolloutGroup):
+                        await self._slots.acquire()
+                        group.create_task(self._score_and_forward(message))
+
+    async def _score_and_forward(self, rollout: RolloutGroup) -> None:
+        try:
+            scored = await self._score(rollout)
+            await self._scored.send(scored)
+        finally:
+            self._slots.release()
+
+    async def _score(self, rollout: RolloutGroup) -> ScoredGroup:
+        started = time.perf_counter()
+        prompt = Prompt(task_id=rollout.task_id, text=rollout.prompt, answer=rollout.answer)
+        results = await asyncio.gather(*(self._score_one(prompt, text) for text in rollout.texts))
+        rewards = np.zeros(len(results), dtype=np.float32)
+        keep = np.zeros(len(results), dtype=bool)
+        errors: dict[str, int] = {}
+        for i, (reward, error) in enumerate(results):
+            if error:
+                errors[error] = errors.get(error, 0) + 1
+                self.item_errors[error] = self.item_errors.get(error, 0) + 1
+            else:
+                rewards[i], keep[i] = reward, True
+        self.counters["items_scored"] += int(keep.sum())
+        dropped = ""
+        if int(keep.sum()) < min(self.config.min_kept, len(results)):
+            dropped = "reward_failed"
+            self.counters["groups_dropped"] += 1
+        else:
+            self.counters["groups_scored"] += 1
+        return ScoredGroup(
+            group=rollout,
+            rewards=rewards,
+            keep=keep,
+            dropped_reason=dropped,
+            item_errors=errors,
+            reward_s=time.perf_counter() - started,
+        )
+
+    async def _score_one(self, prompt: Prompt, completion: str) -> tuple[float, str]:
+        """Returns (reward, "") or (0.0, reason)."""
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._pool, self._task.reward, prompt, completion)
+        try:
+            reward = await asyncio.wait_for(future, self.config.item_timeout_s)
+        except TimeoutError:
+            self._stuck += 1
+            if self._stuck % self.config.max_stuck_threads == 0:
+                self.ctx.log.warning("%d reward calls hung; starting a fresh thread pool", self._stuck)
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+            return 0.0, "timeout"
+        except Exception as exc:  # user reward code: any failure costs this item only
+            return 0.0, f"raised:{type(exc).__name__}"
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            return 0.0, "not_a_number"
+        if not math.isfinite(value):
+            return 0.0, "not_finite"
+        return value, ""

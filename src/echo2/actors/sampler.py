@@ -1,0 +1,318 @@
+"""Sampler: asks for work, generates G completions per prompt, installs new weights.
+
+Role: a rollout worker. It holds one installed policy version and tags every rollout with
+it; a new version is installed only once complete and verified, and only between
+generation batches, so a batch never mixes versions.
+
+Input: ``tasks`` (DEALER, identity = actor name) — ``Welcome`` then ``TaskLease`` from the
+PromptSource; ``weights`` (SUB) — ``WeightManifest`` and ``WeightChunk`` from the
+WeightPublisher.
+Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInstalled`` on
+telemetry.
+
+Backpressure: credit-based. It grants ``credits`` leases up front and one more per
+finished group, so it never holds more work than it can start soon; a slow Rewarder makes
+the ``rollouts`` send block, which stops generation and with it new credit.
+
+Versions: a lease names ``min_version``; older weights would produce rollouts too stale
+to train, so the sampler waits for a newer install instead of generating.
+
+Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections import deque
+from typing import Any, ClassVar
+
+import numpy as np
+
+from echo2.actor import Actor, ActorConfig, Port
+from echo2.actors.common import run_until_stopped
+from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
+from echo2.errors import TransportError
+from echo2.messages import (
+    Hello,
+    LeaseRevoked,
+    RolloutGroup,
+    TaskLease,
+    WeightChunk,
+    WeightManifest,
+    WeightsInstalled,
+    Welcome,
+    WorkRequest,
+)
+from echo2.transport.broadcast import WEIGHTS_TOPIC, ManifestRejected, SnapshotAssembler
+
+INSTALLED_TOPIC = b"installed|"
+
+
+class SamplerConfig(ActorConfig):
+    engine: str = "torch"
+    """Engine kind: "torch" (built-in model) or "simulated" (no compute, for scale tests)."""
+    engine_kwargs: dict[str, Any] = {}
+    credits: int = 8
+    """Leases requested up front; one more is requested per finished group."""
+    max_batch_groups: int = 8
+    """Most leases generated together in one engine call (larger batches decode faster)."""
+    price_per_hour: float = 0.0
+    """What this worker costs, for cost-aware activation."""
+
+
+class Sampler(Actor):
+    kind: ClassVar[str] = "sampler"
+    Config = SamplerConfig
+    ports: ClassVar[dict[str, Port]] = {
+        "tasks": Port("dealer", bind=False),
+        "rollouts": Port("push", bind=False),
+        "weights": Port("sub", bind=False, hwm=100_000),
+    }
+    config: SamplerConfig
+
+    @classmethod
+    def torch_weight(cls, config: SamplerConfig) -> float:  # type: ignore[override]
+        return 1.0 if config.engine == "torch" else 0.0
+
+    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+        await super().setup(ctx)
+        kwargs = dict(self.config.engine_kwargs)
+        if self.config.engine == "torch":
+            kwargs.setdefault("seed", _seed_from_name(self.job.seed, self.name))
+            if self.job.model:
+                kwargs.setdefault("model_dir", self.job.model)
+        self.engine: Engine = await asyncio.to_thread(make_engine, self.config.engine, **kwargs)
+        self._tasks = ctx.open("tasks", identity=self.name.encode())
+        self._rollouts = ctx.open("rollouts")
+        self._weights = ctx.open("weights", subscribe=[WEIGHTS_TOPIC])
+        self._leases: deque[TaskLease] = deque()
+        self._have_work = asyncio.Event()
+        self._weights_ready = asyncio.Event()
+        self._assembling: SnapshotAssembler | None = None
+        self._ready: SnapshotAssembler | None = None
+        self._installed: tuple[int, int] | None = None  # (incarnation, version)
+        self._revoked: set[int] = set()
+        self.counters = dict.fromkeys(
+            (
+                "groups_sent",
+                "samples_generated",
+                "tokens_generated",
+                "installs",
+                "manifests_rejected",
+                "corrupt_chunks",
+                "leases_revoked",
+            ),
+            0,
+        )
+        self.generate_s = 0.0
+        self.wait_weights_s = 0.0
+
+    async def _handshake(self) -> None:
+        """Hello/Welcome: the PromptSource checks our protocol version before any work.
+
+        Runs in ``run()``, not ``setup()``: setup must never wait for a peer, since peers
+        in the same process are set up one after another.
+        """
+        await self._tasks.send(
+            Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
+        )
+        while True:
+            reply = await self._tasks.recv()
+            if isinstance(reply, Welcome):
+                break
+        if not reply.accepted:
+            raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
+
+    def statistics(self) -> dict[str, float]:
+        version = self._installed[1] if self._installed else -1
+        return {
+            **self.counters,
+            "installed_version": version,
+            "generate_s": self.generate_s,
+            "wait_weights_s": self.wait_weights_s,
+            "price_per_hour": self.config.price_per_hour,
+        }
+
+    async def aclose(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    # -- loops -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await run_until_stopped(
+            self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate()
+        )
+
+    async def _receive_leases(self) -> None:
+        await self._handshake()
+        await self._tasks.send(WorkRequest(sampler_id=self.name, credits=self.config.credits))
+        while True:
+            for message in await self._tasks.recv_many():
+                if isinstance(message, TaskLease):
+                    self._leases.append(message)
+                    self._have_work.set()
+                elif isinstance(message, LeaseRevoked):
+                    self._revoked.add(message.lease_id)
+                    self.counters["leases_revoked"] += 1
+
+    async def _receive_weights(self) -> None:
+        while True:
+            for message in await self._weights.recv_many():
+                if isinstance(message, WeightManifest):
+                    self._on_manifest(message)
+                elif isinstance(message, WeightChunk):
+                    self._on_chunk(message)
+
+    def _is_newer(self, key: tuple[int, int]) -> bool:
+        newest = max(
+            (k for k in (self._installed, _key(self._ready), _key(self._assembling)) if k is not None),
+            default=None,
+        )
+        return newest is None or key > newest
+
+    def _on_manifest(self, manifest: WeightManifest) -> None:
+        if not self._is_newer((manifest.incarnation, manifest.version)):
+            return
+        try:
+            self._assembling = SnapshotAssembler(manifest)
+        except ManifestRejected as exc:
+            self.counters["manifests_rejected"] += 1
+            self.ctx.log.warning("rejected manifest v%d: %s", manifest.version, exc)
+
+    def _on_chunk(self, chunk: WeightChunk) -> None:
+        assembler = self._assembling
+        if assembler is None:
+            return
+        before = assembler.corrupt_chunks
+        assembler.add(chunk)
+        self.counters["corrupt_chunks"] += assembler.corrupt_chunks - before
+        if assembler.complete:
+            self._ready, self._assembling = assembler, None
+            self._weights_ready.set()
+
+    async def _install_ready(self) -> None:
+        ready, self._ready = self._ready, None
+        self._weights_ready.clear()
+        if ready is None:
+            return
+        started = time.perf_counter()
+        incarnation, version = ready.key
+        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), version)
+        self._installed = (incarnation, version)
+        install_s = time.perf_counter() - started
+        self.counters["installs"] += 1
+        await self.ctx.publish_telemetry(
+            INSTALLED_TOPIC,
+            WeightsInstalled(
+                sampler_id=self.name,
+                incarnation=incarnation,
+                version=version,
+                install_s=install_s,
+                time_s=time.time(),
+            ),
+        )
+
+    def _take_batch(self) -> list[TaskLease]:
+        batch: list[TaskLease] = []
+        while self._leases and len(batch) < self.config.max_batch_groups:
+            lease = self._leases[0]
+            if lease.lease_id in self._revoked:
+                self._leases.popleft()
+                self._revoked.discard(lease.lease_id)
+                continue
+            if batch and _params(lease) != _params(batch[0]):
+                break
+            batch.append(self._leases.popleft())
+        if not self._leases:
+            self._have_work.clear()
+        return batch
+
+    async def _generate(self) -> None:
+        while True:
+            await self._have_work.wait()
+            await self._install_ready()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            needed = max(lease.min_version for lease in batch)
+            if self._installed is None or self._installed[1] < needed:
+                started = time.perf_counter()
+                while self._installed is None or self._installed[1] < needed:
+                    await self._weights_ready.wait()
+                    await self._install_ready()
+                self.wait_weights_s += time.perf_counter() - started
+            await self._generate_batch(batch)
+
+    async def _generate_batch(self, batch: list[TaskLease]) -> None:
+        assert self._installed is not None
+        incarnation, version = self._installed
+        first = batch[0]
+        params = SamplingParams(
+            temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens
+        )
+        prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
+        started = time.perf_counter()
+        rows = await asyncio.to_thread(
+            self.engine.generate,
+            prompt_ids,
+            first.group_size,
+            params,
+            answers=[lease.answer for lease in batch],
+        )
+        elapsed = time.perf_counter() - started
+        self.generate_s += elapsed
+        for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
+            group = _to_group(lease, self.name, incarnation, version, ids, completions, elapsed)
+            await self._rollouts.send(group)
+            self.counters["groups_sent"] += 1
+            self.counters["samples_generated"] += len(completions)
+            self.counters["tokens_generated"] += int(group.offsets[-1])
+        await self._tasks.send(WorkRequest(sampler_id=self.name, credits=len(batch)))
+
+
+def _key(assembler: SnapshotAssembler | None) -> tuple[int, int] | None:
+    return assembler.key if assembler is not None else None
+
+
+def _params(lease: TaskLease) -> tuple[int, float, float, int]:
+    return (lease.group_size, lease.temperature, lease.top_p, lease.max_new_tokens)
+
+
+def _seed_from_name(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + sum(ord(c) * 31**i for i, c in enumerate(name))) % (2**31)
+
+
+def _to_group(
+    lease: TaskLease,
+    sampler_id: str,
+    incarnation: int,
+    version: int,
+    prompt_ids: list[int],
+    completions: list[Completion],
+    generate_s: float,
+) -> RolloutGroup:
+    lengths = [len(c.token_ids) for c in completions]
+    offsets = np.zeros(len(completions) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return RolloutGroup(
+        lease_id=lease.lease_id,
+        task_id=lease.task_id,
+        attempt=lease.attempt,
+        sampler_id=sampler_id,
+        incarnation=incarnation,
+        version=version,
+        prompt=lease.prompt,
+        answer=lease.answer,
+        prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+        token_ids=np.concatenate([c.token_ids for c in completions]).astype(np.int32, copy=False),
+        logprobs=np.concatenate([c.logprobs for c in completions]).astype(np.float32, copy=False),
+        offsets=offsets,
+        texts=[c.text for c in completions],
+        finish_reasons=[c.finish_reason for c in completions],
+        generate_s=generate_s,
+    )

@@ -1,0 +1,141 @@
+"""The engine seam: token ids in, sampled completions with log-probs out.
+
+Samplers talk only to :class:`Engine`; the built-in implementations are the pure-torch
+engine for the tiny model (:mod:`echo2.engines.torch_engine`) and a simulated one that
+models GPU time without compute (:mod:`echo2.engines.simulated`); a vLLM engine implements
+the same contract later.
+
+Contract:
+
+- ``generate`` is synchronous (a Sampler runs it in a worker thread) and returns ``n``
+  completions per prompt, in prompt order.
+- ``Completion.logprobs[t]`` is the log-probability of ``token_ids[t]`` under the
+  distribution the engine *actually sampled from* (after temperature and top-p
+  renormalisation). That is what importance ratios against the learner need. With
+  ``temperature == 0`` (greedy) the distribution is a point mass and every log-prob is 0.
+- ``token_ids`` include the final EOS when ``finish_reason == "eos"``; ``text`` does not.
+- ``install_weights`` is atomic: after it returns the engine serves the new version, and
+  when it raises (ValueError for a layout mismatch) nothing changed. It may be called from
+  another thread; it then waits for a running ``generate`` to finish.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FINISH_EOS = "eos"
+FINISH_LENGTH = "length"
+
+TensorLayout = dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    max_new_tokens: int = 8  # response length limit, EOS included
+    seed: int | None = None  # None: continue the engine's own random stream
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    token_ids: np.ndarray  # (T,) int32, sampled tokens (EOS included if finished by EOS)
+    logprobs: np.ndarray  # (T,) float32, log p(token) under the distribution sampled from
+    finish_reason: str  # "eos" | "length"
+    text: str  # decoded tokens, without EOS
+
+
+def validate_weights(tensors: Mapping[str, np.ndarray], layout: TensorLayout) -> None:
+    """Raise ValueError unless ``tensors`` matches ``layout`` exactly (names, shapes, dtypes)."""
+    missing = sorted(set(layout) - set(tensors))
+    unexpected = sorted(set(tensors) - set(layout))
+    if missing or unexpected:
+        raise ValueError(f"weight names do not match the model: missing {missing}, unexpected {unexpected}")
+    for name, (shape, dtype) in layout.items():
+        array = tensors[name]
+        got_shape = tuple(array.shape)
+        got_dtype = str(array.dtype)
+        if got_shape != shape or got_dtype != dtype:
+            raise ValueError(
+                f"weight {name!r} is {got_dtype}{list(got_shape)}, the model expects {dtype}{list(shape)}"
+            )
+
+
+class Engine(ABC):
+    """A policy that generates completions; see the module docstring for the contract."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Policy version currently installed (the one the next ``generate`` uses)."""
+
+    @abstractmethod
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt text -> token ids in this engine's vocabulary, in the model's prompt format.
+
+        Lets a Sampler stay engine-agnostic (the tiny model wants BOS first; a chat model
+        wants its template).
+        """
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        answers: list[str] | None = None,
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt (outer list in prompt order).
+
+        ``answers`` (one per prompt) is only used by engines that fake the model
+        (SimulatedEngine); real engines ignore it.
+        """
+
+    @abstractmethod
+    def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        """Atomically replace all weights and set ``version``; ValueError leaves both unchanged."""
+
+    @abstractmethod
+    def state_layout(self) -> TensorLayout:
+        """Name -> (shape, numpy dtype string) of every tensor ``install_weights`` expects."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources; idempotent."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_ENGINES = {
+    "torch": ("echo2.engines.torch_engine", "TorchEngine"),
+    "simulated": ("echo2.engines.simulated", "SimulatedEngine"),
+}
+
+
+def make_engine(kind: str, **kwargs: Any) -> Engine:
+    """Build an engine by kind (``"torch"`` | ``"simulated"``), importing it lazily."""
+    try:
+        module_name, class_name = _ENGINES[kind]
+    except KeyError:
+        raise ValueError(f"unknown engine kind {kind!r}; known: {sorted(_ENGINES)}") from None
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(**kwargs)

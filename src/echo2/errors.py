@@ -1,0 +1,58 @@
+"""The exceptions echo2 raises, one tree so that callers can catch at the right depth.
+
+::
+
+    Echo2Error                      anything echo2 raises on purpose
+    ├── ConfigError                 a topology or option is invalid (one line, names the field)
+    ├── DecodeError                 bytes off the wire are not a valid echo2 message
+    │   └── ProtocolMismatch        a peer speaks another PROTOCOL_VERSION
+    ├── TransportError              a socket could not be opened, bound or used
+    │   └── ClosedError             the endpoint was closed by this process
+    ├── EndOfStream                 every producer of a channel said it is done (not a failure)
+    └── ActorFailed                 an actor's run() raised; carries the actor name
+
+Backend exceptions (``zmq.ZMQError``, msgspec's errors, ``ValueError`` from numpy) are
+translated at one boundary each, with ``raise ... from exc`` so the cause stays visible.
+"""
+
+from __future__ import annotations
+
+
+class Echo2Error(Exception):
+    """Base of every exception echo2 raises on purpose."""
+
+
+class ConfigError(Echo2Error):
+    """A configuration value is invalid. ``str(err)`` is one line naming the field path."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class DecodeError(Echo2Error):
+    """Received frames are not a valid echo2 message; the receiver counts and drops them."""
+
+
+class ProtocolMismatch(DecodeError):
+    """The peer's PROTOCOL_VERSION differs from ours."""
+
+
+class TransportError(Echo2Error):
+    """A socket operation failed for a reason other than a bad message."""
+
+
+class ClosedError(TransportError):
+    """The endpoint was closed by this process."""
+
+
+class EndOfStream(Echo2Error):
+    """All producers of a channel have ended it. Raised by ``recv``; ends ``async for``."""
+
+
+class ActorFailed(Echo2Error):
+    """An actor's ``run()`` raised. The original exception is ``__cause__``."""
+
+    def __init__(self, actor: str, exc: BaseException) -> None:
+        self.actor = actor
+        super().__init__(f"actor {actor!r} failed: {type(exc).__name__}: {exc}")

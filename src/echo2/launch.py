@@ -1,0 +1,478 @@
+"""``python -m echo2.launch topology.toml``: spawn one OS process per process group, supervise, stop.
+
+::
+
+    python -m echo2.launch TOPOLOGY.toml [--set path=value]... [--run-dir DIR] [--host NAME] [--dry-run]
+
+* A bad topology or option prints one line, ``TOPOLOGY.toml: <field path>: <problem>``, and
+  exits 2.
+* The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
+  (what every process reads), ``logs/<process>.log``, ``pids.json`` (launcher and children)
+  and, at the end, ``status.json``. ``--run-dir`` replaces ``run.run_dir`` (the parent).
+* Each process of this host runs ``python -m echo2.runtime --topology ... --process NAME`` in
+  its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
+  the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
+* Exit codes: 0 when the run completed (a ``completes_run`` actor's process exited 0, every
+  process exited 0, or ``run.deadline_s`` passed), 1 when a process failed, 130 after Ctrl-C
+  (143 after SIGTERM), 2 for a bad topology.
+* Shutdown: SIGTERM to every live child (its runtime drains), SIGKILL to those still alive
+  ``run.drain_timeout_s + 5`` s later. A second Ctrl-C kills at once. The launcher only ever
+  signals the PIDs it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+from echo2.errors import ConfigError
+from echo2.topology import ResolvedTopology, Topology, is_local_address, load_topology, resolve
+
+KILL_GRACE_S = 5.0
+"""Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
+_PR_SET_PDEATHSIG = 1
+_READ_CHUNK = 65536
+_EXIT_FAILED, _EXIT_BAD_CONFIG, _EXIT_SIGINT, _EXIT_SIGTERM = 1, 2, 130, 143
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="python -m echo2.launch",
+        description="Run an echo2 topology: one OS process per process group of this host.",
+    )
+    parser.add_argument("topology", type=Path, help="topology TOML file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a topology value before validation, e.g. job.staleness=0 (repeatable)",
+    )
+    parser.add_argument("--run-dir", type=Path, help="parent directory of the run directory")
+    parser.add_argument("--host", help="start only this host's processes")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate and print the resolved topology; start nothing"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Launch a topology; returns the exit code (see the module docstring)."""
+    logging.basicConfig(format="echo2: %(message)s", level=logging.WARNING)  # no-op if configured
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return _EXIT_BAD_CONFIG
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    source = args.topology
+    try:
+        topology = load_topology(source, args.overrides)
+        if args.run_dir is not None:
+            topology = dataclasses.replace(
+                topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir))
+            )
+        names = select_processes(topology, args.host)
+    except ConfigError as exc:
+        print(f"{source}: {exc}", file=sys.stderr)
+        return _EXIT_BAD_CONFIG
+
+    if args.dry_run:
+        run_id = _run_id(topology)
+        resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
+        _print_banner(resolved, names, {}, sys.stdout)
+        sys.stdout.write(_to_json(resolved) + "\n")
+        return 0
+
+    run_dir = _make_run_dir(topology)
+    resolved = resolve(topology, run_dir.name, str(run_dir))
+    resolved_path = run_dir / "topology.resolved.json"
+    resolved.dump(resolved_path)
+    completes = {
+        name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names
+    }
+    launcher = Launcher(resolved, resolved_path, names, completes)
+    try:
+        return asyncio.run(launcher.run())
+    except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
+        return _EXIT_SIGINT
+
+
+def select_processes(topology: Topology, host: str | None) -> list[str]:
+    """Processes this launcher starts: ``--host``'s, else those of hosts that are this machine."""
+    if host is not None:
+        if host not in topology.hosts:
+            known = ", ".join(sorted(topology.hosts))
+            raise ConfigError(f"unknown host {host!r} (hosts: {known})", path="--host")
+        hosts = {host}
+    elif len(topology.hosts) == 1:
+        hosts = set(topology.hosts)
+    else:
+        hosts = {name for name, spec in topology.hosts.items() if is_local_address(spec.address)}
+        if not hosts:
+            raise ConfigError("no host of the topology is this machine; choose one", path="--host")
+    names = [name for name, spec in topology.processes.items() if spec.host in hosts]
+    if not names:
+        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
+    return names
+
+
+def _replace_struct(struct: Any, **changes: Any) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
+
+
+def _run_id(topology: Topology) -> str:
+    return f"{topology.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _make_run_dir(topology: Topology) -> Path:
+    parent = Path(topology.run.run_dir).absolute()
+    parent.mkdir(parents=True, exist_ok=True)
+    base = _run_id(topology)
+    for attempt in range(1000):
+        run_dir = parent / (base if attempt == 0 else f"{base}-{attempt}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        (run_dir / "logs").mkdir()
+        return run_dir
+    raise ConfigError(f"cannot make a fresh run directory under {parent}", path="run.run_dir")
+
+
+def _to_json(resolved: ResolvedTopology) -> str:
+    import msgspec
+
+    return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
+
+
+def _print_banner(
+    resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], out: TextIO
+) -> None:
+    print(f"echo2: run {resolved.run_id} in {resolved.run_dir}", file=out)
+    width = max(len(n) for n in names)
+    for name in names:
+        spec = resolved.processes[name]
+        threads = str(spec.torch_threads) if spec.torch_threads else "-"
+        pid = f"pid {pids[name]:<7} " if name in pids else ""
+        actors = ", ".join(f"{a.name} ({a.kind})" for a in spec.actors)
+        print(
+            f"echo2:   {name:<{width}}  {pid}host {spec.host}  torch threads {threads}  actors: {actors}",
+            file=out,
+        )
+    out.flush()
+
+
+# -- supervision ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class Child:
+    """One started process group."""
+
+    name: str
+    actors: list[str]
+    completes_run: bool
+    torch_threads: int
+    log: TextIO
+    proc: asyncio.subprocess.Process | None = None
+    returncode: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.returncode is None
+
+    def describe(self) -> str:
+        return f"process {self.name!r} (actors {', '.join(self.actors)})"
+
+
+class Launcher:
+    """Starts the children, waits for exits, signals and the deadline, and shuts down."""
+
+    def __init__(
+        self,
+        resolved: ResolvedTopology,
+        resolved_path: Path,
+        names: Sequence[str],
+        completes_run: dict[str, bool],
+        *,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+    ) -> None:
+        self.resolved = resolved
+        self.resolved_path = resolved_path
+        self.run_dir = Path(resolved.run_dir)
+        self.names = list(names)
+        self.completes_run = completes_run
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.status = 0
+        self.reason = "all processes finished"
+        self.shutting_down = False
+        self.children: list[Child] = []
+        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._timers: list[asyncio.TimerHandle] = []
+        self._prctl = _load_prctl()
+
+    def say(self, message: str, *, error: bool = False) -> None:
+        stream = self.err if error else self.out
+        print(f"echo2: {message}", file=stream, flush=True)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        handled = self._install_signal_handlers(loop)
+        try:
+            async with asyncio.TaskGroup() as group:
+                pumps = await self._start_all(group)
+                if self.resolved.run.deadline_s > 0 and not self.shutting_down:
+                    deadline = loop.call_later(
+                        self.resolved.run.deadline_s, self._events.put_nowait, ("deadline", None)
+                    )
+                    self._timers.append(deadline)
+                while any(child.alive for child in self.children):
+                    kind, payload = await self._events.get()
+                    self._handle(kind, payload)
+                # Output ends when the pipes close; a grandchild holding one must not hang us.
+                _, pending = await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
+                for task in pending:
+                    task.cancel()
+        finally:
+            for timer in self._timers:
+                timer.cancel()
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+            for child in self.children:
+                if child.alive:  # only reached if we were cancelled: never leave children behind
+                    _signal(child, signal.SIGKILL)
+            for child in self.children:
+                child.log.close()
+            self._finish()
+        return self.status
+
+    # -- starting ------------------------------------------------------------------------
+
+    async def _start_all(self, group: asyncio.TaskGroup) -> list[asyncio.Task[None]]:
+        pumps: list[asyncio.Task[None]] = []
+        pids: dict[str, int] = {}
+        for name in self.names:
+            if self.shutting_down:  # e.g. Ctrl-C or a failure while starting
+                break
+            spec = self.resolved.processes[name]
+            child = Child(
+                name=name,
+                actors=[a.name for a in spec.actors],
+                completes_run=self.completes_run.get(name, False),
+                torch_threads=spec.torch_threads,
+                log=open(self.run_dir / "logs" / f"{name}.log", "a", encoding="utf-8", buffering=1),
+            )
+            self.children.append(child)
+            try:
+                child.proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "echo2.runtime",
+                    "--topology",
+                    str(self.resolved_path),
+                    "--process",
+                    name,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=self._child_env(child),
+                    start_new_session=True,
+                    preexec_fn=self._child_preexec(),
+                )
+            except OSError as exc:
+                self.say(f"cannot start {child.describe()}: {exc}", error=True)
+                self._begin_shutdown(f"process {name!r} could not start", _EXIT_FAILED)
+                break
+            pids[name] = child.proc.pid
+            pumps.append(group.create_task(self._pump(child), name=f"output:{name}"))
+            group.create_task(self._wait_exit(child), name=f"wait:{name}")
+        (self.run_dir / "pids.json").write_text(
+            json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n"
+        )
+        _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
+        self.say(
+            f"started {len(pids)} process(es); logs in {self.run_dir / 'logs'}; "
+            "Ctrl-C stops, a second Ctrl-C kills"
+        )
+        return pumps
+
+    def _child_env(self, child: Child) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        if child.torch_threads > 0:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(child.torch_threads)
+        return env
+
+    def _child_preexec(self) -> Any:
+        prctl, parent = self._prctl, os.getpid()
+        if prctl is None:
+            return None
+
+        def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # the launcher died before prctl took effect
+                os._exit(1)
+
+        return preexec
+
+    def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> list[int]:
+        handled = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
+            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+                continue
+            handled.append(sig)
+        return handled
+
+    # -- watching ------------------------------------------------------------------------
+
+    async def _pump(self, child: Child) -> None:
+        """Copy the child's output to our stdout (prefixed) and its log file, line by line."""
+        assert child.proc is not None and child.proc.stdout is not None
+        reader, prefix, partial = child.proc.stdout, f"[{child.name}] ", b""
+        while chunk := await reader.read(_READ_CHUNK):
+            *lines, partial = (partial + chunk).split(b"\n")
+            self._emit(child, prefix, lines)
+        if partial:
+            self._emit(child, prefix, [partial])
+
+    def _emit(self, child: Child, prefix: str, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        text = [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
+        child.log.write("".join(f"{line}\n" for line in text))
+        self.out.write("".join(f"{prefix}{line}\n" for line in text))
+        self.out.flush()
+
+    async def _wait_exit(self, child: Child) -> None:
+        assert child.proc is not None
+        code = await child.proc.wait()
+        self._events.put_nowait(("exit", (child, code)))
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "exit":
+            child, code = payload
+            child.returncode = code
+            self._on_exit(child, code)
+        elif kind == "signal":
+            name = signal.Signals(payload).name
+            code = _EXIT_SIGINT if payload == signal.SIGINT else _EXIT_SIGTERM
+            if not self.shutting_down:
+                self._begin_shutdown(f"{name} received", code)
+            else:
+                if self.status != _EXIT_FAILED:  # a failure stays the first cause
+                    self.status, self.reason = code, f"{self.reason}; forced by {name}"
+                self._kill_all(f"second signal ({name})")
+        elif kind == "deadline":
+            self._begin_shutdown(f"deadline of {self.resolved.run.deadline_s:g} s reached", 0)
+        elif kind == "kill":
+            grace = self.resolved.run.drain_timeout_s + KILL_GRACE_S
+            self._kill_all(f"still running {grace:g} s after SIGTERM")
+
+    def _on_exit(self, child: Child, code: int) -> None:
+        if code != 0:
+            what = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+            if self.shutting_down:
+                self.say(f"{child.describe()} exited with {what} during shutdown")
+            else:
+                self.say(f"{child.describe()} failed with {what}", error=True)
+                self._begin_shutdown(f"process {child.name!r} failed", _EXIT_FAILED)
+        elif child.completes_run and not self.shutting_down:
+            self.say(f"{child.describe()} completed the run")
+            self._begin_shutdown(f"process {child.name!r} completed the run", 0)
+        else:
+            self.say(f"{child.describe()} exited")
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def _begin_shutdown(self, reason: str, status: int) -> None:
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+        self.status, self.reason = status, reason
+        live = [c for c in self.children if c.alive]
+        if live:
+            self.say(f"stopping ({reason}): SIGTERM to {', '.join(c.name for c in live)}")
+        for child in live:
+            _signal(child, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        delay = self.resolved.run.drain_timeout_s + KILL_GRACE_S
+        self._timers.append(loop.call_later(delay, self._events.put_nowait, ("kill", None)))
+
+    def _kill_all(self, why: str) -> None:
+        live = [c for c in self.children if c.alive]
+        if live:
+            self.say(f"killing {', '.join(c.name for c in live)}: {why}", error=True)
+        for child in live:
+            _signal(child, signal.SIGKILL)
+
+    def _finish(self) -> None:
+        codes = {c.name: c.returncode for c in self.children}
+        status = {"exit_code": self.status, "reason": self.reason, "processes": codes}
+        with contextlib.suppress(OSError):
+            (self.run_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+        ipc_dir = self.resolved.ipc_dir
+        if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        outcome = "ok" if self.status == 0 else "FAILED" if self.status == _EXIT_FAILED else "interrupted"
+        self.say(
+            f"run {self.resolved.run_id} {outcome}: {self.reason} (exit {self.status}); "
+            f"run dir {self.run_dir}"
+        )
+
+
+def _signal(child: Child, sig: int) -> None:
+    """Signal one child by the PID we started (never a group, never by name)."""
+    assert child.proc is not None
+    with contextlib.suppress(ProcessLookupError):
+        child.proc.send_signal(sig)
+
+
+def _load_prctl() -> Any:
+    """libc's prctl, loaded before any fork (nothing is loaded in the child)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

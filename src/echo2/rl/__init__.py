@@ -1,0 +1,1 @@
+"""Learning-plane math: the off-policy GRPO objective and the capacity/activation model."""

@@ -1,0 +1,335 @@
+"""The per-process runtime: sets actors up, runs them in one TaskGroup, shuts them down.
+
+Shutdown has two phases. The first stop request (SIGTERM, SIGINT, an actor that completes
+the run) sets ``stopping``: actors drain and return. The second request, or the drain
+deadline, cancels every actor task. Setup happens in order and teardown in reverse through
+one ``AsyncExitStack``, so a failure anywhere still closes everything that was opened.
+
+A failing actor fails the process: the TaskGroup cancels its siblings, the cause is logged
+with the actor's name, and ``run_actors`` raises ``ActorFailed``.
+
+Heartbeats go on the ``telemetry`` channel (when some actor binds it) every
+``heartbeat_s``: ZMTP heartbeats detect a dead peer but not a stuck event loop.
+
+Run as a program (what the launcher starts)::
+
+    python -m echo2.runtime --topology RUN_DIR/topology.resolved.json --process NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from echo2.actor import Actor, ActorContext, PortAddresses
+from echo2.errors import ActorFailed
+from echo2.messages import Heartbeat
+from echo2.transport import PublisherEndpoint, SocketOptions, Transport
+
+log = logging.getLogger("echo2.runtime")
+
+TELEMETRY_CHANNEL = "telemetry"
+HEARTBEAT_TOPIC = b"hb|"
+
+
+class ProcessRuntime:
+    """Runs a list of actors in this process until they finish, fail or are stopped."""
+
+    def __init__(
+        self,
+        actors: Sequence[Actor],
+        addresses: Mapping[str, Mapping[str, PortAddresses]],
+        *,
+        process: str = "main",
+        run_dir: Path | None = None,
+        drain_timeout_s: float = 10.0,
+        heartbeat_s: float = 1.0,
+        telemetry_connect: Sequence[str] = (),
+        transport: Transport | None = None,
+    ) -> None:
+        self.actors = list(actors)
+        self.process = process
+        self.run_dir = run_dir
+        self.drain_timeout_s = drain_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.stopping = asyncio.Event()
+        self.stop_reason = ""
+        self._addresses = addresses
+        self._telemetry_connect = tuple(telemetry_connect)
+        self._transport = transport
+        self._owns_transport = transport is None
+        self._forced = False
+        self._wake = asyncio.Event()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._unfinished = 0
+        self._contexts: list[ActorContext] = []
+        self._ready = asyncio.Event()
+        self._drain_timer: asyncio.TimerHandle | None = None
+
+    # -- control ---------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """First call: drain. Second call: cancel everything now."""
+        if self.stopping.is_set():
+            self.force_stop(f"second stop request ({reason})")
+            return
+        log.info("%s: stopping (%s); draining up to %.1f s", self.process, reason, self.drain_timeout_s)
+        self.stop_reason = reason
+        self.stopping.set()
+        self._wake.set()
+
+    def force_stop(self, reason: str) -> None:
+        if not self._forced:
+            log.warning("%s: cancelling actors (%s)", self.process, reason)
+        self._forced = True
+        self.stopping.set()
+        self._wake.set()
+
+    async def wait_ready(self) -> None:
+        """Returns once every actor's setup has completed."""
+        await self._ready.wait()
+
+    # -- main ------------------------------------------------------------------------
+
+    async def run(self, *, install_signal_handlers: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        if install_signal_handlers:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if self._transport is None:
+                    self._transport = Transport()
+                if self._owns_transport:
+                    stack.callback(self._transport.close)
+                telemetry = self._open_telemetry()
+                if telemetry is not None:
+                    stack.callback(telemetry.close)
+                for actor in self.actors:
+                    ctx = ActorContext(
+                        actor_name=actor.name,
+                        process=self.process,
+                        transport=self._transport,
+                        ports=self._addresses.get(actor.name, {}),
+                        declared=actor.ports,
+                        run_dir=self.run_dir,
+                        stopping=self.stopping,
+                        telemetry=telemetry,
+                    )
+                    stack.callback(ctx.close)
+                    stack.push_async_callback(_aclose_actor, actor)
+                    await actor.setup(ctx)
+                    self._contexts.append(ctx)
+                self._ready.set()
+                await self._run_all(telemetry)
+        finally:
+            if self._drain_timer is not None:
+                self._drain_timer.cancel()
+            if install_signal_handlers:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    async def _run_all(self, telemetry: PublisherEndpoint | None) -> None:
+        self._unfinished = len(self.actors)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for actor in self.actors:
+                    self._running[actor.name] = group.create_task(
+                        self._run_actor(actor), name=f"actor:{actor.name}"
+                    )
+                heartbeat = None
+                if telemetry is not None:
+                    heartbeat = group.create_task(self._heartbeats(telemetry), name="heartbeats")
+                group.create_task(self._supervise(heartbeat), name="supervisor")
+        except BaseExceptionGroup as group_exc:
+            failures = group_exc.subgroup(ActorFailed)
+            if failures is not None:
+                failure = failures.exceptions[0]
+                raise failure from failure.__cause__  # keep the actor's exception as cause
+            raise
+
+    async def _run_actor(self, actor: Actor) -> None:
+        try:
+            await actor.run()
+        except asyncio.CancelledError:
+            log.info("%s: actor %s cancelled", self.process, actor.name)
+            raise
+        except Exception as exc:
+            log.error("%s: actor %s failed: %s: %s", self.process, actor.name, type(exc).__name__, exc, exc_info=exc)
+            raise ActorFailed(actor.name, exc) from exc
+        else:
+            log.info("%s: actor %s finished", self.process, actor.name)
+            if actor.completes_run and not self.stopping.is_set():
+                self.request_stop(f"actor {actor.name} completed the run")
+        finally:
+            self._unfinished -= 1
+            self._wake.set()
+
+    async def _supervise(self, heartbeat: asyncio.Task[None] | None) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._unfinished == 0:
+                break
+            if self._forced:
+                for task in self._running.values():
+                    task.cancel()
+                break
+            if self.stopping.is_set() and self._drain_timer is None:
+                self._drain_timer = loop.call_later(
+                    self.drain_timeout_s, self.force_stop, "drain deadline passed"
+                )
+        if heartbeat is not None:
+            heartbeat.cancel()
+
+    # -- telemetry -------------------------------------------------------------------
+
+    def _open_telemetry(self) -> PublisherEndpoint | None:
+        if not self._telemetry_connect:
+            return None
+        assert self._transport is not None
+        return self._transport.pub(
+            name=f"{self.process}.telemetry",
+            connect=self._telemetry_connect,
+            options=SocketOptions(hwm=100),
+            on_full="drop",
+        )
+
+    async def _heartbeats(self, telemetry: PublisherEndpoint) -> None:
+        host = socket.gethostname()
+        names = [a.name for a in self.actors]
+        seq = 0
+        loop = asyncio.get_running_loop()
+        expected = loop.time()
+        while True:
+            lag = max(0.0, loop.time() - expected)
+            stats: dict[str, float] = {}
+            for actor in self.actors:
+                for key, value in actor.statistics().items():
+                    stats[f"{actor.name}.{key}"] = float(value)
+            for ctx in self._contexts:
+                for endpoint in ctx.endpoints:
+                    s = endpoint.statistics()
+                    stats[f"{s.name}.decode_errors"] = s.decode_errors
+                    stats[f"{s.name}.dropped"] = s.dropped
+            beat = Heartbeat(
+                process=self.process,
+                actors=names,
+                pid=os.getpid(),
+                host=host,
+                seq=seq,
+                time_s=time.time(),
+                loop_lag_s=lag,
+                stats=stats,
+            )
+            await telemetry.publish(HEARTBEAT_TOPIC, beat)
+            seq += 1
+            expected = loop.time() + self.heartbeat_s
+            await asyncio.sleep(self.heartbeat_s)
+
+
+async def _aclose_actor(actor: Actor) -> None:
+    try:
+        await actor.aclose()
+    except Exception:
+        log.exception("actor %s: aclose failed", actor.name)
+        raise
+
+
+# -- child-process entry point -----------------------------------------------------------
+
+
+def _configure_logging(process: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("ECHO2_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {process} %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _set_torch_threads(threads: int) -> None:
+    if threads <= 0:
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before any parallel work started
+        torch.set_num_interop_threads(1)
+
+
+def _watch_parent(parent_pid: int, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
+    """Stop if the launcher disappears (a backup to PR_SET_PDEATHSIG on other platforms)."""
+
+    def watch() -> None:
+        while not runtime.stopping.is_set():
+            if os.getppid() != parent_pid:
+                loop.call_soon_threadsafe(runtime.request_stop, "launcher exited")
+                return
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from echo2.topology import ResolvedTopology, build_process
+
+    parser = argparse.ArgumentParser(prog="python -m echo2.runtime")
+    parser.add_argument("--topology", required=True, type=Path, help="resolved topology JSON")
+    parser.add_argument("--process", required=True, help="process group to run")
+    args = parser.parse_args(argv)
+    _configure_logging(args.process)
+    resolved = ResolvedTopology.load(args.topology)
+    spec = resolved.processes[args.process]
+    _set_torch_threads(spec.torch_threads)
+    actors, addresses, telemetry = build_process(resolved, args.process)
+    run_dir = Path(resolved.run_dir)
+
+    async def amain() -> None:
+        runtime = ProcessRuntime(
+            actors,
+            addresses,
+            process=args.process,
+            run_dir=run_dir,
+            drain_timeout_s=resolved.run.drain_timeout_s,
+            heartbeat_s=resolved.run.heartbeat_s,
+            telemetry_connect=telemetry,
+        )
+        _watch_parent(os.getppid(), runtime, asyncio.get_running_loop())
+        await runtime.run(install_signal_handlers=True)
+
+    try:
+        _run_loop(amain())
+    except ActorFailed as exc:
+        log.error("%s: exiting: %s", args.process, exc)
+        return 1
+    return 0
+
+
+def _run_loop(coro) -> None:  # type: ignore[no-untyped-def]
+    """asyncio.Runner; uvloop (the ``fast`` extra) when ECHO2_UVLOOP=1 (never uvloop.install)."""
+    loop_factory = None
+    if os.environ.get("ECHO2_UVLOOP", "0") == "1":
+        try:
+            import uvloop
+
+            loop_factory = uvloop.new_event_loop
+        except ImportError:
+            loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

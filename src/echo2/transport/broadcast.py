@@ -1,0 +1,148 @@
+"""Weight snapshots as verified chunks: flatten, chunk, digest, assemble, verify.
+
+A snapshot is one flat byte buffer plus a layout (``TensorSpec`` per tensor). The
+publisher cuts it into ``chunk_bytes`` pieces and sends a ``WeightManifest`` (layout, one
+BLAKE2b-256 digest per chunk, and a digest over the concatenated chunk digests) before the
+chunks. A subscriber assembles into memory allocated once per version, checks each chunk
+against the manifest as it lands, and hands out the tensors only when every chunk is
+present and verified, so an engine never sees a partial or corrupt version.
+
+BLAKE2b comes from the standard library (no dependency) and hashes at ~1 GB/s per core
+here, fast enough that digests are not the bottleneck for 1-4 MB chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from echo2.messages import Snapshot, TensorSpec, WeightChunk, WeightManifest
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+WEIGHTS_TOPIC = b"w|"
+
+
+def digest(data: memoryview | bytes | np.ndarray) -> bytes:
+    return hashlib.blake2b(memoryview(data).cast("B"), digest_size=32).digest()
+
+
+def flatten_tensors(
+    tensors: Mapping[str, np.ndarray],
+) -> tuple[list[TensorSpec], np.ndarray]:
+    """Copy named arrays into one fresh uint8 buffer; returns (layout, buffer)."""
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, array in tensors.items():
+        nbytes = int(array.nbytes)
+        specs.append(TensorSpec(name, array.dtype.str, tuple(array.shape), offset, nbytes))
+        offset += nbytes
+    flat = np.empty(offset, dtype=np.uint8)
+    for spec, array in zip(specs, tensors.values(), strict=True):
+        flat[spec.offset : spec.offset + spec.nbytes] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+    return specs, flat
+
+
+def unflatten(specs: list[TensorSpec], flat: np.ndarray) -> dict[str, np.ndarray]:
+    """Views (no copy) of each tensor inside ``flat``."""
+    out = {}
+    for spec in specs:
+        dtype = np.dtype(spec.dtype)
+        count = spec.nbytes // dtype.itemsize
+        out[spec.name] = np.frombuffer(flat, dtype=dtype, count=count, offset=spec.offset).reshape(spec.shape)
+    return out
+
+
+def make_manifest(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WeightManifest:
+    data = memoryview(snapshot.data).cast("B")
+    chunk_digests = [digest(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)]
+    return WeightManifest(
+        incarnation=snapshot.incarnation,
+        version=snapshot.version,
+        total_bytes=len(data),
+        chunk_bytes=chunk_bytes,
+        tensors=snapshot.tensors,
+        chunk_digests=chunk_digests,
+        digest=digest(b"".join(chunk_digests)),
+        published_at_s=time.time(),
+    )
+
+
+def iter_chunks(snapshot: Snapshot, manifest: WeightManifest) -> Iterator[WeightChunk]:
+    """Chunks as views into the snapshot (zero-copy; the snapshot must stay immutable)."""
+    data = snapshot.data
+    for index in range(len(manifest.chunk_digests)):
+        start = index * manifest.chunk_bytes
+        yield WeightChunk(
+            incarnation=manifest.incarnation,
+            version=manifest.version,
+            index=index,
+            data=data[start : start + manifest.chunk_bytes],
+        )
+
+
+class ManifestRejected(ValueError):
+    """A manifest is inconsistent with itself (sizes, digests, layout)."""
+
+
+def check_manifest(manifest: WeightManifest) -> None:
+    n_chunks = -(-manifest.total_bytes // manifest.chunk_bytes) if manifest.chunk_bytes > 0 else -1
+    if manifest.chunk_bytes <= 0 or n_chunks != len(manifest.chunk_digests):
+        raise ManifestRejected("chunk count does not match total_bytes / chunk_bytes")
+    if digest(b"".join(manifest.chunk_digests)) != manifest.digest:
+        raise ManifestRejected("snapshot digest does not match the chunk digests")
+    end = 0
+    for spec in manifest.tensors:
+        itemsize = np.dtype(spec.dtype).itemsize
+        if spec.offset != end or spec.nbytes != itemsize * math.prod(spec.shape):
+            raise ManifestRejected(f"tensor {spec.name!r} has an inconsistent layout")
+        end = spec.offset + spec.nbytes
+    if end != manifest.total_bytes:
+        raise ManifestRejected("tensors do not cover the snapshot exactly")
+
+
+class SnapshotAssembler:
+    """Collects one version's chunks; ``complete`` once every chunk is in and verified."""
+
+    def __init__(self, manifest: WeightManifest) -> None:
+        check_manifest(manifest)
+        self.manifest = manifest
+        self.buffer = np.empty(manifest.total_bytes, dtype=np.uint8)
+        self._have = np.zeros(len(manifest.chunk_digests), dtype=bool)
+        self.corrupt_chunks = 0
+        self.started_at = time.monotonic()
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.manifest.incarnation, self.manifest.version)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._have.all())
+
+    def missing(self) -> list[int]:
+        return np.flatnonzero(~self._have).tolist()
+
+    def add(self, chunk: WeightChunk) -> bool:
+        """Store a chunk if it is new and verifies; returns True if it was stored."""
+        m = self.manifest
+        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+            return False
+        if self._have[chunk.index]:
+            return False
+        start = chunk.index * m.chunk_bytes
+        expected_len = min(m.chunk_bytes, m.total_bytes - start)
+        if chunk.data.nbytes != expected_len or digest(chunk.data) != m.chunk_digests[chunk.index]:
+            self.corrupt_chunks += 1
+            return False
+        self.buffer[start : start + expected_len] = chunk.data
+        self._have[chunk.index] = True
+        return True
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        if not self.complete:
+            raise RuntimeError("snapshot is incomplete")
+        return unflatten(self.manifest.tensors, self.buffer)

@@ -1,0 +1,168 @@
+"""``Transport``: one per process; opens, tracks and closes every endpoint.
+
+The URL alone picks the medium: ``inproc://`` within the process (all in-process actors
+share this context, which inproc requires), ``ipc://`` within a host, ``tcp://`` across
+hosts. Nothing above this module branches on the scheme.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from echo2.errors import TransportError
+from echo2.messages import AnyMessage
+from echo2.transport.codec import Codec
+from echo2.transport.endpoint import (
+    ENDPOINT_CLASSES,
+    DealerEndpoint,
+    Endpoint,
+    OnFull,
+    PublisherEndpoint,
+    PullEndpoint,
+    PushEndpoint,
+    RouterEndpoint,
+    SocketOptions,
+    SubscriberEndpoint,
+)
+
+
+class Transport:
+    """Owns the process's ZeroMQ context and every endpoint opened through it."""
+
+    def __init__(self, *, io_threads: int = 1, max_sockets: int = 16384) -> None:
+        self._context = zmq.asyncio.Context(io_threads=io_threads)
+        self._context.set(zmq.MAX_SOCKETS, max_sockets)
+        self._open: set[Endpoint] = set()
+        self._closed = False
+
+    @property
+    def open_endpoints(self) -> list[Endpoint]:
+        return list(self._open)
+
+    def open(
+        self,
+        kind: str,
+        *,
+        name: str,
+        bind: Iterable[str] = (),
+        connect: Iterable[str] = (),
+        options: SocketOptions = SocketOptions(),
+        on_full: OnFull = "block",
+        producers: int = 0,
+        identity: bytes | None = None,
+        subscribe: Iterable[bytes] = (),
+        message_types: Any = AnyMessage,
+        codec: Codec | None = None,
+    ) -> Endpoint:
+        """Open a socket of ``kind`` ("push", "pull", "dealer", "router", "pub", "sub").
+
+        ``bind`` and ``connect`` may both be given; a ``tcp://host:0`` bind picks a free port,
+        and ``endpoint.endpoints`` lists the addresses actually bound.
+        """
+        if self._closed:
+            raise TransportError("transport is closed")
+        try:
+            cls = ENDPOINT_CLASSES[kind]
+        except KeyError:
+            raise TransportError(f"unknown socket kind {kind!r}") from None
+        socket = self._context.socket(cls.socket_type)
+        try:
+            _apply_options(socket, cls.socket_type, options, identity)
+            endpoint = cls(
+                socket,
+                name=name,
+                codec=codec or Codec(message_types),
+                on_full=on_full,
+                producers=producers,
+                on_close=self._open.discard,
+            )
+            for topic in subscribe:
+                socket.setsockopt(zmq.SUBSCRIBE, topic)
+            for url in bind:
+                endpoint.endpoints.append(_bind(socket, url))
+            for url in connect:
+                socket.connect(url)
+                endpoint.endpoints.append(url)
+        except zmq.ZMQError as exc:
+            socket.close(linger=0)
+            raise TransportError(f"{name}: cannot open {kind} socket: {exc}") from exc
+        self._open.add(endpoint)
+        return endpoint
+
+    # Typed conveniences, so call sites read as what they open.
+    def push(self, **kw: Any) -> PushEndpoint:
+        return self.open("push", **kw)  # type: ignore[return-value]
+
+    def pull(self, **kw: Any) -> PullEndpoint:
+        return self.open("pull", **kw)  # type: ignore[return-value]
+
+    def dealer(self, **kw: Any) -> DealerEndpoint:
+        return self.open("dealer", **kw)  # type: ignore[return-value]
+
+    def router(self, **kw: Any) -> RouterEndpoint:
+        return self.open("router", **kw)  # type: ignore[return-value]
+
+    def pub(self, **kw: Any) -> PublisherEndpoint:
+        return self.open("pub", **kw)  # type: ignore[return-value]
+
+    def sub(self, **kw: Any) -> SubscriberEndpoint:
+        return self.open("sub", **kw)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Close every endpoint still open, then the context. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for endpoint in list(self._open):
+            endpoint.close()
+        self._context.term()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _apply_options(
+    socket: zmq.Socket, socket_type: int, options: SocketOptions, identity: bytes | None
+) -> None:
+    socket.setsockopt(zmq.LINGER, options.linger_ms)
+    socket.setsockopt(zmq.SNDHWM, options.hwm)
+    socket.setsockopt(zmq.RCVHWM, options.hwm)
+    socket.setsockopt(zmq.MAXMSGSIZE, options.max_message_bytes)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, options.heartbeat_ivl_ms)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, options.heartbeat_timeout_ms)
+    socket.setsockopt(zmq.RECONNECT_IVL, options.reconnect_ivl_ms)
+    socket.setsockopt(zmq.RECONNECT_IVL_MAX, options.reconnect_ivl_max_ms)
+    if identity is not None:
+        socket.setsockopt(zmq.ROUTING_ID, identity)
+    if socket_type == zmq.ROUTER:
+        # Unknown peers raise instead of vanishing; a restarted peer may reuse its id.
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    elif socket_type == zmq.XPUB:
+        # A full subscriber makes send() raise Again instead of dropping silently.
+        socket.setsockopt(zmq.XPUB_NODROP, 1)
+        # Report every subscription, not only the first per topic: late joiners need it.
+        socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+    elif socket_type in (zmq.PUSH, zmq.DEALER):
+        # Queue only to peers whose connection is up, so work is not parked on a dead pipe.
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+
+
+def _bind(socket: zmq.Socket, url: str) -> str:
+    if url.startswith("ipc://"):
+        directory = os.path.dirname(url[len("ipc://") :])
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+    socket.bind(url)
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT) if url.startswith("tcp://") else url

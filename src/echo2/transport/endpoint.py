@@ -1,0 +1,474 @@
+"""Async endpoints over ZeroMQ sockets, with the fast path and per-endpoint statistics.
+
+Why not plain ``zmq.asyncio``: ``await sock.recv()`` costs ~25 us per message even when one
+is waiting, capping a socket near 40k msg/s. Endpoints await one message, then drain what
+else is queued with non-blocking receives on a synchronous shadow of the same socket, and
+hand out lists. Sends try a non-blocking send first and await only under back-pressure
+(the high-water mark is reached). A cancelled receive loses nothing: the await is the only
+suspension point and pyzmq keeps a message that was not delivered.
+
+Each endpoint owns one socket and one ``Codec``. Outcomes at the high-water mark are explicit
+per endpoint: ``on_full="block"`` waits (PUSH, DEALER, ROUTER, weights), ``on_full="drop"``
+drops and counts (telemetry). ROUTER sends to an unknown peer are counted as ``unroutable``.
+Malformed input is counted in ``decode_errors`` and dropped; the endpoint keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+
+from echo2.errors import ClosedError, DecodeError, EndOfStream, TransportError
+from echo2.messages import AnyMessage, EndOfStreamMsg, Message
+from echo2.transport.codec import Codec
+
+log = logging.getLogger(__name__)
+
+OnFull = Literal["block", "drop"]
+DEFAULT_HWM = 1000
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Messages drained and decoded per receive. Larger batches barely cut the per-await cost
+# further but keep more objects alive at once, which the garbage collector pays for: at
+# 1024, 64-record messages decoded ~30% slower than at 128 (benchmarks/transport.py).
+DEFAULT_RECV_BATCH = 128
+_DECODE_LOG_INTERVAL_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointStats:
+    """A snapshot of one endpoint's counters."""
+
+    name: str
+    sent: int
+    received: int
+    dropped: int
+    unroutable: int
+    decode_errors: int
+    queued: int
+    bytes_sent: int
+    bytes_received: int
+    eos_received: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SocketOptions:
+    """Options every echo2 socket gets explicitly instead of libzmq's defaults.
+
+    ``hwm`` counts messages, not bytes: size it from the message size (e.g. weight chunks).
+    """
+
+    hwm: int = DEFAULT_HWM
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    linger_ms: int = 0
+    heartbeat_ivl_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5000
+
+
+class Endpoint:
+    """One socket, its codec and counters. Created by ``Transport``; use as a context manager."""
+
+    socket_type: int = -1
+    _envelope_frames = 0  # leading routing frames on receive (ROUTER: peer id, SUB: topic)
+
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        *,
+        name: str,
+        codec: Codec,
+        on_full: OnFull = "block",
+        producers: int = 0,
+        on_close: Any = None,
+    ) -> None:
+        self.name = name
+        self._socket = socket
+        self._sync = zmq.Socket.shadow(socket.underlying)
+        self._codec = codec
+        self._on_full = on_full
+        self._producers = producers
+        self._on_close = on_close
+        self._pending: collections.deque[Any] = collections.deque()  # frames, not decoded
+        self._ready: collections.deque[tuple[bytes, Message]] = collections.deque()  # decoded
+        self._closed = False
+        self._ended = False
+        self._eos_from: set[str] = set()
+        self._sent = self._received = self._dropped = self._unroutable = 0
+        self._decode_errors = self._bytes_sent = self._bytes_received = 0
+        self._last_decode_log = 0.0
+        self.endpoints: list[str] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the socket now (LINGER is 0: unsent messages are discarded)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._socket.close(linger=0)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def statistics(self) -> EndpointStats:
+        return EndpointStats(
+            name=self.name,
+            sent=self._sent,
+            received=self._received,
+            dropped=self._dropped,
+            unroutable=self._unroutable,
+            decode_errors=self._decode_errors,
+            queued=len(self._pending) + len(self._ready),
+            bytes_sent=self._bytes_sent,
+            bytes_received=self._bytes_received,
+            eos_received=len(self._eos_from),
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"endpoint {self.name!r} is closed")
+
+    def _woken_by_close(self) -> bool:
+        """True when an await was cancelled by ``close()`` (pyzmq cancels pending futures),
+        not because our own task is being cancelled."""
+        task = asyncio.current_task()
+        return self._closed and (task is None or not task.cancelling())
+
+    # -- frames out ------------------------------------------------------------------
+
+    async def _send_frames(self, frames: Sequence[Any]) -> bool:
+        """Send one multipart message; returns False when dropped or unroutable."""
+        self._check_open()
+        try:
+            if len(frames) == 1 and len(frames[0]) < zmq.COPY_THRESHOLD:
+                # A small header alone: a plain copying send skips send_multipart's checks
+                # and zmq.Frame objects (~1 us of a ~3 us message).
+                self._sync.send(frames[0], zmq.NOBLOCK)
+            else:
+                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if self._on_full == "drop":
+                self._dropped += 1
+                return False
+            if not await self._send_when_room(frames):
+                return False
+        except zmq.ZMQError as exc:
+            return self._send_failed(exc)
+        self._sent += 1
+        self._bytes_sent += _frames_nbytes(frames)
+        return True
+
+    async def _send_when_room(self, frames: Sequence[Any]) -> bool:
+        """Back-pressure: wait until the message fits under the HWM, then send it.
+
+        XPUB with XPUB_NODROP and ROUTER with ROUTER_MANDATORY report POLLOUT while the
+        peer's pipe is still full, so pyzmq's awaited send fails with ``Again`` instead of
+        waiting; retry after a short pause that grows to 1 ms.
+        """
+        pause_s = 0.0
+        while True:
+            self._check_open()
+            try:
+                await self._socket.send_multipart(frames, copy=False)
+                return True
+            except zmq.Again:
+                pause_s = min(max(2 * pause_s, 50e-6), 1e-3)
+            except zmq.ZMQError as exc:
+                return self._send_failed(exc)
+            except asyncio.CancelledError:
+                if self._woken_by_close():
+                    raise ClosedError(f"endpoint {self.name!r} closed during send") from None
+                raise
+            await asyncio.sleep(pause_s)
+
+    def _send_failed(self, exc: zmq.ZMQError) -> bool:
+        if exc.errno == zmq.EHOSTUNREACH:
+            self._unroutable += 1
+            return False
+        if self._closed:
+            raise ClosedError(f"endpoint {self.name!r} closed during send") from exc
+        raise TransportError(f"{self.name}: send failed: {exc}") from exc
+
+    # -- frames in -------------------------------------------------------------------
+
+    async def _fill(self, max_messages: int) -> None:
+        """Wait for at least one multipart message, then drain up to ``max_messages``."""
+        self._check_open()
+        if not self._pending:
+            try:
+                first = await self._socket.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                if self._woken_by_close():
+                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from None
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
+                raise TransportError(f"{self.name}: recv failed: {exc}") from exc
+            self._pending.append(first)
+        while len(self._pending) < max_messages:
+            try:
+                self._pending.append(self._recv_nowait())
+            except zmq.Again:
+                break
+
+    def _recv_nowait(self) -> list[Any]:
+        """One queued multipart message, or ``zmq.Again``.
+
+        Envelope and header frames come back as ``bytes``: for small frames a copy is
+        cheaper than a ``zmq.Frame`` (and decodes faster); data frames (large arrays) stay
+        zero-copy ``zmq.Frame``s. ``Frame.more`` avoids a ``getsockopt(RCVMORE)`` per frame.
+        """
+        recv = self._sync.recv
+        frame = recv(zmq.NOBLOCK, copy=False)
+        frames: list[Any] = [frame.bytes]
+        copied = 1 + self._envelope_frames
+        while frame.more:
+            frame = recv(zmq.NOBLOCK, copy=False)
+            frames.append(frame.bytes if len(frames) < copied else frame)
+        return frames
+
+    def _decode(self, frames: Sequence[Any]) -> Message | None:
+        """Decode or count-and-drop. End-of-stream markers are consumed here."""
+        self._received += 1
+        self._bytes_received += _frames_nbytes(frames)
+        try:
+            message = self._codec.decode(frames)
+        except DecodeError as exc:
+            self._decode_errors += 1
+            now = time.monotonic()
+            if now - self._last_decode_log >= _DECODE_LOG_INTERVAL_S:
+                self._last_decode_log = now
+                log.warning(
+                    "%s: dropped a malformed message (%d so far): %s",
+                    self.name,
+                    self._decode_errors,
+                    exc,
+                )
+            return None
+        if isinstance(message, EndOfStreamMsg):
+            self._eos_from.add(message.producer_id)
+            if self._producers and len(self._eos_from) >= self._producers:
+                self._ended = True
+            return None
+        return message
+
+
+def _frames_nbytes(frames: Sequence[Any]) -> int:
+    """Total bytes of a message's frames (a loop: this runs once per message)."""
+    total = 0
+    for frame in frames:
+        total += frame.nbytes if type(frame) is memoryview else len(frame)
+    return total
+
+
+class _Receiving(Endpoint):
+    """Receive logic shared by every endpoint kind.
+
+    ``_envelope_frames`` is how many leading frames are routing data (a ROUTER's peer id, a
+    SUB's topic) rather than message; those come back alongside the message.
+    """
+
+    _envelope_frames = 0
+
+    async def _wait_ready(self, max_messages: int) -> None:
+        """Receive and decode until at least one message is ready (bad input is dropped).
+
+        Decoded messages wait in ``_ready`` until handed out, so a caller that stops early
+        (``break`` out of ``async for``, cancellation between messages) loses none of them.
+        """
+        self._check_open()
+        skip = self._envelope_frames
+        while not self._ready:
+            if self._ended and not self._pending:
+                raise EndOfStream(self.name)
+            await self._fill(max_messages)
+            while self._pending:
+                frames = self._pending.popleft()
+                if len(frames) <= skip:
+                    self._received += 1
+                    self._decode_errors += 1
+                    continue
+                message = self._decode(frames[skip:] if skip else frames)
+                if message is not None:
+                    self._ready.append((bytes(frames[0]) if skip else b"", message))
+
+    async def _recv_enveloped(self, max_messages: int) -> list[tuple[bytes, Message]]:
+        await self._wait_ready(max_messages)
+        ready = self._ready
+        if len(ready) <= max_messages:
+            out = list(ready)
+            ready.clear()
+            return out
+        return [ready.popleft() for _ in range(max_messages)]
+
+    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
+        """What ``async for`` yields: the message (a ROUTER yields ``(peer, message)``)."""
+        return enveloped[1]
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Message]:
+        """Return 1..max_messages messages; raise ``EndOfStream`` once the channel ended."""
+        return [message for _, message in await self._recv_enveloped(max_messages)]
+
+    async def recv(self) -> Message:
+        """Return one message (later ones stay queued locally for the next call)."""
+        batch = await self._recv_enveloped(1)
+        return batch[0][1]
+
+    async def __aiter__(self) -> AsyncIterator[Message]:
+        """Messages until end of stream; leaving the loop early loses nothing."""
+        while True:
+            try:
+                await self._wait_ready(DEFAULT_RECV_BATCH)
+            except EndOfStream:
+                return
+            yield self._item(self._ready.popleft())
+
+
+class _Sending(Endpoint):
+    async def send(self, message: Message) -> bool:
+        """Send one message. Returns False if it was dropped at the HWM (``on_full="drop"``)."""
+        return await self._send_frames(self._codec.encode(message))
+
+    async def send_many(self, messages: Iterable[Message]) -> int:
+        """Send messages in order; returns how many were sent (not dropped)."""
+        sent = 0
+        for message in messages:
+            sent += await self._send_frames(self._codec.encode(message))
+        return sent
+
+    async def send_eos(self, producer_id: str) -> None:
+        """Tell the consumer this producer is done."""
+        await self._send_frames(self._codec.encode(EndOfStreamMsg(producer_id=producer_id)))
+
+
+class PushEndpoint(_Sending):
+    socket_type = zmq.PUSH
+
+
+class PullEndpoint(_Receiving):
+    socket_type = zmq.PULL
+
+
+class DealerEndpoint(_Sending, _Receiving):
+    """Client side of a request/reply channel; its routing id is its peer id."""
+
+    socket_type = zmq.DEALER
+
+
+class RouterEndpoint(_Receiving):
+    """Server side of a request/reply channel; messages are ``(peer_id, message)``."""
+
+    socket_type = zmq.ROUTER
+    _envelope_frames = 1
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:  # type: ignore[override]
+        return await self._recv_enveloped(max_messages)
+
+    async def recv(self) -> tuple[bytes, Message]:  # type: ignore[override]
+        return (await self._recv_enveloped(1))[0]
+
+    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
+        return enveloped
+
+    async def send(self, peer: bytes, message: Message) -> bool:
+        """Send to one peer; False if the peer is unknown (gone) or dropped at the HWM."""
+        return await self._send_frames([peer, *self._codec.encode(message)])
+
+
+class PublisherEndpoint(Endpoint):
+    """XPUB: topic-prefixed broadcast. Drops at the HWM are counted, never silent."""
+
+    socket_type = zmq.XPUB
+
+    async def publish(self, topic: bytes, message: Message) -> bool:
+        return await self._send_frames([topic, *self._codec.encode(message)])
+
+    def subscriptions_nowait(self) -> list[tuple[bool, bytes]]:
+        """Subscription changes seen since the last call: ``(subscribed, topic)``."""
+        self._check_open()
+        out = []
+        while True:
+            try:
+                event = self._sync.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if event:
+                out.append((event[0] == 1, event[1:]))
+
+    async def wait_subscriber(self, topic_prefix: bytes = b"") -> bytes:
+        """Wait until a peer subscribes to a topic starting with ``topic_prefix``.
+
+        This is the handshake against the slow-joiner problem: publish after it, never after
+        a sleep.
+        """
+        while True:
+            self._check_open()
+            try:
+                event = await self._socket.recv()
+            except asyncio.CancelledError:
+                if self._woken_by_close():
+                    raise ClosedError(f"endpoint {self.name!r} closed during wait") from None
+                raise
+            if event and event[0] == 1 and event[1:].startswith(topic_prefix):
+                return bytes(event[1:])
+
+
+class SubscriberEndpoint(_Receiving):
+    """SUB: ``recv``/``recv_many`` give messages; ``recv_many_with_topic`` keeps the topic."""
+
+    socket_type = zmq.SUB
+    _envelope_frames = 1
+
+    def subscribe(self, topic: bytes) -> None:
+        """Subscribe to a topic prefix; end topics with ``|`` since SUB matches prefixes."""
+        self._check_open()
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    async def recv_many_with_topic(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:
+        return await self._recv_enveloped(max_messages)
+
+
+ENDPOINT_CLASSES: dict[str, type[Endpoint]] = {
+    "push": PushEndpoint,
+    "pull": PullEndpoint,
+    "dealer": DealerEndpoint,
+    "router": RouterEndpoint,
+    "pub": PublisherEndpoint,
+    "sub": SubscriberEndpoint,
+}
+
+__all__ = [
+    "AnyMessage",
+    "DealerEndpoint",
+    "Endpoint",
+    "EndpointStats",
+    "OnFull",
+    "PublisherEndpoint",
+    "PullEndpoint",
+    "PushEndpoint",
+    "RouterEndpoint",
+    "SocketOptions",
+    "SubscriberEndpoint",
+]

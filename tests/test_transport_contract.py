@@ -1,0 +1,579 @@
+"""The transport contract, checked once per medium (inproc, ipc, tcp).
+
+Every test takes ``url_factory`` and so runs three times; the ``transport`` fixture fails
+any test that leaves an endpoint open. Synchronization is by handshake (XPUB sees the
+subscription) or by the data itself, never by sleeping. The only timeouts are negative
+checks ("this send is still blocked") and hang guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from echo2.errors import ClosedError, EndOfStream
+from echo2.messages import EndOfStreamMsg, Hello, Message, WeightChunk, Welcome, WorkRequest
+from echo2.transport import Codec, Endpoint, SocketOptions, Transport
+
+pytestmark = pytest.mark.timeout(10)
+
+MiB = 1 << 20
+BLOCKED_FOR_S = 0.3  # how long a send must stay pending to count as blocked
+
+
+def work(i: int, sampler: str = "sampler-0") -> WorkRequest:
+    return WorkRequest(sampler_id=sampler, credits=i)
+
+
+def chunk(i: int, data: np.ndarray) -> WeightChunk:
+    return WeightChunk(incarnation=1, version=2, index=i, data=data)
+
+
+async def recv_n(endpoint: Endpoint, n: int) -> list:
+    """Receive exactly ``n`` messages (or ``(peer, message)`` pairs from a ROUTER)."""
+    out: list = []
+    while len(out) < n:
+        out.extend(await endpoint.recv_many(n - len(out)))  # type: ignore[attr-defined]
+    return out
+
+
+async def let_loop_run(turns: int = 5) -> None:
+    """Give every ready task a few turns (not a timing wait: no wall-clock involved)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
+async def assert_blocked(task: asyncio.Task) -> None:
+    """Negative check: ``task`` stays pending while its peer does not read."""
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(task), BLOCKED_FOR_S)
+    assert not task.done()
+
+
+@contextlib.contextmanager
+def raw_socket(transport: Transport, kind: int, url: str, **options: object) -> Iterator[zmq.Socket]:
+    """A plain sync pyzmq socket on the transport's own context (inproc requires it)."""
+    context = zmq.Context.shadow(transport._context.underlying)  # noqa: SLF001 (test access)
+    sock = context.socket(kind)
+    try:
+        sock.linger = 0
+        sock.rcvtimeo = sock.sndtimeo = 5000
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(url)
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+def malformed_messages() -> list[list[bytes]]:
+    """Multipart messages that are not valid echo2 messages, one per failure class."""
+    rng = random.Random(20240611)
+    codec = Codec()
+    valid = codec.encode(work(7))[0]
+    with_frame = codec.encode(chunk(0, np.zeros(128 * 1024, np.uint8)))
+    return [
+        [b""],
+        [b"\xe2"],
+        [b"\xe2\x01"],
+        *[[rng.randbytes(n)] for n in (3, 17, 200, 5000)],
+        [b"\x00" + valid[1:]],  # bad magic byte
+        [valid[:2] + b"\xc1"],  # reserved msgpack byte
+        [bytes([0xE2, 0x7F]) + valid[2:]],  # other protocol version
+        [valid[: len(valid) // 2]],  # truncated
+        [valid, b"unreferenced extra frame"],
+        [with_frame[0]],  # refers to a frame that is missing
+        [b"\xe2\x01" + b"\x81\xa4type\xa4Nope"],  # unknown type tag
+    ]
+
+
+# ------------------------------------------------------------------------------ ordering
+
+
+async def test_push_pull_preserves_order(transport: Transport, url_factory) -> None:
+    n = 600
+    big = np.arange(96 * 1024, dtype=np.uint8)  # a separate frame, interleaved with small
+    messages: list[Message] = [chunk(i, big) if i % 100 == 0 else work(i) for i in range(n)]
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        async with asyncio.TaskGroup() as tg:
+            sender = tg.create_task(push.send_many(messages))
+            got = await recv_n(pull, n)
+        assert sender.result() == n
+    assert [getattr(m, "credits", None) for m in got] == [
+        getattr(m, "credits", None) for m in messages
+    ]
+    assert [m.index for m in got if isinstance(m, WeightChunk)] == list(range(0, n, 100))
+    assert all(np.array_equal(m.data, big) for m in got if isinstance(m, WeightChunk))
+
+
+async def test_dealer_router_preserves_order_both_ways(transport: Transport, url_factory) -> None:
+    n = 500
+    async with (
+        transport.open("router", name="router", bind=[url_factory()]) as router,
+        transport.open(
+            "dealer", name="dealer", connect=[router.endpoints[0]], identity=b"dealer-1"
+        ) as dealer,
+    ):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(dealer.send_many(work(i) for i in range(n)))
+            upstream = await recv_n(router, n)
+        assert {peer for peer, _ in upstream} == {b"dealer-1"}
+        assert [m.credits for _, m in upstream] == list(range(n))
+
+        async def reply() -> None:
+            for i in range(n):
+                assert await router.send(b"dealer-1", work(i, sampler="router"))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(reply())
+            downstream = await recv_n(dealer, n)
+        assert [(m.sampler_id, m.credits) for m in downstream] == [
+            ("router", i) for i in range(n)
+        ]
+
+
+async def test_pub_sub_preserves_order_after_handshake(transport: Transport, url_factory) -> None:
+    n = 500
+    async with (
+        transport.open("pub", name="pub", bind=[url_factory()]) as pub,
+        transport.open(
+            "sub", name="sub", connect=[pub.endpoints[0]], subscribe=[b"weights|"]
+        ) as sub,
+    ):
+        assert await pub.wait_subscriber(b"weights|") == b"weights|"
+        for i in range(n):
+            assert await pub.publish(b"weights|", work(i))
+            await pub.publish(b"other|", work(-1))  # not subscribed: filtered at the publisher
+        got = await recv_n(sub, n)
+        assert [m.credits for m in got] == list(range(n))
+        with_topic = await asyncio.gather(pub.publish(b"weights|", work(n)), sub.recv_many_with_topic())
+        assert with_topic[1] == [(b"weights|", work(n))]
+
+
+# ------------------------------------------------------------------------- end of stream
+
+
+async def test_end_of_stream_after_every_producer(transport: Transport, url_factory) -> None:
+    k, producers = 300, 3
+    async with contextlib.AsyncExitStack() as stack:
+        pull = await stack.enter_async_context(
+            transport.open("pull", name="pull", bind=[url_factory()], producers=producers)
+        )
+        pushers = [
+            await stack.enter_async_context(
+                transport.open("push", name=f"push-{p}", connect=[pull.endpoints[0]])
+            )
+            for p in range(producers)
+        ]
+
+        async def produce(p: int, push: Endpoint) -> None:
+            for i in range(k):
+                await push.send(work(i, sampler=f"p{p}"))  # type: ignore[attr-defined]
+            await push.send_eos(f"p{p}")  # type: ignore[attr-defined]
+
+        async with asyncio.TaskGroup() as tg:
+            for p, push in enumerate(pushers):
+                tg.create_task(produce(p, push))
+            got = [m async for m in pull]
+
+        assert len(got) == producers * k
+        assert not any(isinstance(m, EndOfStreamMsg) for m in got)
+        for p in range(producers):
+            assert [m.credits for m in got if m.sampler_id == f"p{p}"] == list(range(k))
+        with pytest.raises(EndOfStream):
+            await pull.recv()
+        with pytest.raises(EndOfStream):
+            await pull.recv_many()
+        assert [m async for m in pull] == []
+        stats = pull.statistics()
+        assert stats.eos_received == producers
+        assert stats.received == producers * (k + 1)
+
+
+async def test_repeated_end_of_stream_from_one_producer_counts_once(
+    transport: Transport, url_factory
+) -> None:
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()], producers=2) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        await push.send_eos("a")
+        await push.send_eos("a")
+        await push.send(work(1))
+        assert await pull.recv() == work(1)  # not ended: only one distinct producer is done
+        await push.send_eos("b")
+        with pytest.raises(EndOfStream):
+            await pull.recv()
+
+
+# -------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("method", ["recv", "recv_many"])
+async def test_cancelled_receive_loses_nothing(
+    transport: Transport, url_factory, method: str
+) -> None:
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        waiting = asyncio.ensure_future(getattr(pull, method)())
+        await let_loop_run()
+        assert not waiting.done()  # blocked: nothing was sent
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await push.send(work(1))
+        await push.send(work(2))
+        assert await recv_n(pull, 2) == [work(1), work(2)]
+        assert pull.statistics().received == 2
+
+
+async def test_cancelling_a_consumer_mid_stream_loses_nothing(
+    transport: Transport, url_factory
+) -> None:
+    """Consumers are cancelled repeatedly while a producer streams; a new one resumes."""
+    n = 3000
+    received: list[int] = []
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()], producers=1) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+
+        async def produce() -> None:
+            for i in range(n):
+                await push.send(work(i))
+                if i % 64 == 0:
+                    await asyncio.sleep(0)  # interleave with the consumer
+            await push.send_eos("producer")
+
+        async def consume(stop_after: int | None, reached: asyncio.Event) -> None:
+            async for message in pull:
+                received.append(message.credits)
+                if stop_after is not None and len(received) >= stop_after:
+                    reached.set()
+                await asyncio.sleep(0)  # a consumer that awaits between messages
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(produce())
+            for stop_after in (1, 150, 900, 1700, 2500):
+                reached = asyncio.Event()
+                consumer = tg.create_task(consume(stop_after, reached))
+                await reached.wait()
+                consumer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await consumer
+            # A consumer cancelled while blocked in a receive, not between messages.
+            blocked = tg.create_task(pull.recv())
+            await let_loop_run(1)
+            blocked.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                received.append((await blocked).credits)
+            # Drains to the end of the stream (a lost message would hang: bound it).
+            await asyncio.wait_for(consume(None, asyncio.Event()), 5)
+    assert received == list(range(n))
+
+
+async def test_breaking_out_of_async_for_keeps_the_rest(transport: Transport, url_factory) -> None:
+    n = 50
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        await push.send_many(work(i) for i in range(n))
+        async for message in pull:
+            first = message
+            break
+        rest = await asyncio.wait_for(recv_n(pull, n - 1), 5)
+    assert [first.credits, *(m.credits for m in rest)] == list(range(n))
+
+
+# -------------------------------------------------------------------------- back-pressure
+
+
+async def test_push_blocks_at_hwm_until_the_receiver_reads(transport: Transport, url_factory) -> None:
+    # 80 x 1 MiB exceeds the HWMs (2 messages each side) plus every kernel socket buffer.
+    m, data, options = 80, np.zeros(MiB, np.uint8), SocketOptions(hwm=2)
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()], options=options) as pull,
+        transport.open(
+            "push", name="push", connect=[pull.endpoints[0]], options=options, on_full="block"
+        ) as push,
+    ):
+        async with asyncio.TaskGroup() as tg:
+            sender = tg.create_task(push.send_many(chunk(i, data) for i in range(m)))
+            await assert_blocked(sender)
+            assert push.statistics().sent < m
+            assert push.statistics().dropped == 0
+            got = await recv_n(pull, m)
+        assert sender.result() == m
+    assert [c.index for c in got] == list(range(m))
+
+
+@pytest.mark.parametrize("kind", ["pub", "router"])
+async def test_blocking_fan_out_waits_for_a_slow_peer(
+    transport: Transport, url_factory, kind: str
+) -> None:
+    """XPUB (XPUB_NODROP) and ROUTER (ROUTER_MANDATORY) wait too, instead of failing.
+
+    A second, idle peer with room in its pipe makes the socket look writable while the slow
+    peer's pipe is full.
+    """
+    m, data, options = 60, np.zeros(MiB, np.uint8), SocketOptions(hwm=2)
+    peer_kind = "sub" if kind == "pub" else "dealer"
+    topics = {b"slow": [b"w|"], b"idle": [b"idle|"]} if kind == "pub" else {}
+    async with contextlib.AsyncExitStack() as stack:
+        server = await stack.enter_async_context(
+            transport.open(kind, name=kind, bind=[url_factory()], options=options)
+        )
+        peers = [
+            await stack.enter_async_context(
+                transport.open(
+                    peer_kind,
+                    name=f"{peer_kind}-{identity.decode()}",
+                    connect=[server.endpoints[0]],
+                    options=options,
+                    identity=identity,
+                    subscribe=topics.get(identity, []),
+                )
+            )
+            for identity in (b"slow", b"idle")
+        ]
+        slow = peers[0]
+        if kind == "pub":
+            assert {await server.wait_subscriber(), await server.wait_subscriber()} == {
+                b"w|",
+                b"idle|",
+            }
+            send = lambda message: server.publish(b"w|", message)  # noqa: E731
+        else:
+            for peer in peers:
+                await peer.send(work(0))  # introduce the peer to the router
+            assert {peer for peer, _ in await recv_n(server, 2)} == {b"slow", b"idle"}
+            send = lambda message: server.send(b"slow", message)  # noqa: E731
+
+        async def produce() -> int:
+            return sum([await send(chunk(i, data)) for i in range(m)])
+
+        async with asyncio.TaskGroup() as tg:
+            sender = tg.create_task(produce())
+            await assert_blocked(sender)
+            got = await recv_n(slow, m)
+        assert sender.result() == m
+        assert [c.index for c in got] == list(range(m))
+        assert server.statistics().dropped == 0
+
+
+async def test_pub_drops_and_counts_at_hwm(transport: Transport, url_factory) -> None:
+    attempted, options = 2000, SocketOptions(hwm=1)
+    message = chunk(0, np.zeros(64 * 1024, np.uint8))
+    async with (
+        transport.open(
+            "pub", name="pub", bind=[url_factory()], options=options, on_full="drop"
+        ) as pub,
+        transport.open(
+            "sub", name="sub", connect=[pub.endpoints[0]], options=options, subscribe=[b"t|"]
+        ) as sub,
+    ):
+        await pub.wait_subscriber(b"t|")
+        delivered = sum([await pub.publish(b"t|", message) for _ in range(attempted)])
+        stats = pub.statistics()
+        assert stats.dropped > 0
+        assert stats.sent == delivered
+        assert stats.sent + stats.dropped == attempted
+        assert (await sub.recv()).index == 0  # the subscriber still gets what was sent
+
+
+async def test_router_send_to_unknown_peer_is_unroutable(transport: Transport, url_factory) -> None:
+    async with transport.open("router", name="router", bind=[url_factory()]) as router:
+        assert await router.send(b"nobody", work(1)) is False
+        assert await router.send(b"nobody", work(2)) is False
+        stats = router.statistics()
+        assert (stats.unroutable, stats.sent, stats.bytes_sent) == (2, 0, 0)
+
+
+# -------------------------------------------------------------------------- hostile input
+
+
+async def test_malformed_frames_into_pull_are_counted_and_dropped(
+    transport: Transport, url_factory
+) -> None:
+    bad = malformed_messages()
+    async with transport.open("pull", name="pull", bind=[url_factory()]) as pull:
+        with raw_socket(transport, zmq.PUSH, pull.endpoints[0]) as raw:
+            for frames in bad:
+                raw.send_multipart(frames)
+            raw.send_multipart(Codec().encode(work(42)))
+            assert await pull.recv() == work(42)
+            raw.send_multipart(Codec().encode(work(43)))
+            assert await pull.recv() == work(43)
+        stats = pull.statistics()
+        assert stats.decode_errors == len(bad)
+        assert stats.received == len(bad) + 2
+
+
+async def test_malformed_frames_into_router_are_counted_and_dropped(
+    transport: Transport, url_factory
+) -> None:
+    bad = malformed_messages()
+    async with transport.open("router", name="router", bind=[url_factory()]) as router:
+        with raw_socket(transport, zmq.DEALER, router.endpoints[0], ROUTING_ID=b"raw") as raw:
+            for frames in bad:
+                raw.send_multipart(frames)
+            raw.send_multipart(Codec().encode(work(42)))
+            assert await router.recv() == (b"raw", work(42))
+            assert await router.send(b"raw", work(43))  # the peer is still routable
+            assert Codec().decode(raw.recv_multipart()) == work(43)
+        assert router.statistics().decode_errors == len(bad)
+
+
+async def test_malformed_frames_into_sub_are_counted_and_dropped(
+    transport: Transport, url_factory
+) -> None:
+    bad = [[b"t|"]] + [[b"t|", *frames] for frames in malformed_messages()]
+    async with transport.open(
+        "sub", name="sub", bind=[url_factory()], subscribe=[b"t|"]
+    ) as sub:
+        # The SUB sends its subscription to a new peer only while its socket is serviced,
+        # so the receive is pending before the raw publisher waits for the handshake.
+        receiving = asyncio.ensure_future(sub.recv())
+        with raw_socket(transport, zmq.XPUB, sub.endpoints[0]) as raw:
+            assert await asyncio.to_thread(raw.recv) == b"\x01t|"
+            for frames in bad:
+                raw.send_multipart(frames)
+            raw.send_multipart([b"t|", *Codec().encode(work(42))])
+            assert await receiving == work(42)
+        assert sub.statistics().decode_errors == len(bad)
+
+
+# ------------------------------------------------------------------------------ lifecycle
+
+
+async def test_close_is_idempotent_and_later_use_raises(transport: Transport, url_factory) -> None:
+    pull = transport.open("pull", name="pull", bind=[url_factory()])
+    push = transport.open("push", name="push", connect=[pull.endpoints[0]])
+    router = transport.open("router", name="router", bind=[url_factory()])
+    dealer = transport.open("dealer", name="dealer", connect=[router.endpoints[0]])
+    pub = transport.open("pub", name="pub", bind=[url_factory()])
+    sub = transport.open("sub", name="sub", connect=[pub.endpoints[0]])
+    everything = [pull, push, router, dealer, pub, sub]
+    assert len(transport.open_endpoints) == len(everything)
+    for endpoint in everything:
+        endpoint.close()
+        endpoint.close()
+        await endpoint.aclose()
+        assert endpoint.closed
+    assert transport.open_endpoints == []
+
+    calls = [
+        lambda: push.send(work(0)),
+        lambda: push.send_many([work(0)]),
+        lambda: push.send_eos("p"),
+        pull.recv,
+        pull.recv_many,
+        lambda: anext(aiter(pull)),
+        lambda: router.send(b"x", work(0)),
+        router.recv,
+        lambda: dealer.send(work(0)),
+        dealer.recv,
+        lambda: pub.publish(b"t|", work(0)),
+        pub.wait_subscriber,
+        sub.recv,
+        sub.recv_many_with_topic,
+    ]
+    for call in calls:
+        with pytest.raises(ClosedError):
+            await call()
+    with pytest.raises(ClosedError):
+        pub.subscriptions_nowait()
+    with pytest.raises(ClosedError):
+        sub.subscribe(b"t|")
+    assert pull.statistics().sent == 0  # statistics stay readable after close
+
+
+async def test_close_wakes_a_blocked_call_with_closed_error(
+    transport: Transport, url_factory
+) -> None:
+    pull = transport.open("pull", name="pull", bind=[url_factory()])
+    push = transport.open("push", name="push")  # no peer: a PUSH send blocks at once
+    pub = transport.open("pub", name="pub", bind=[url_factory()])
+    blocked = [
+        asyncio.ensure_future(pull.recv()),
+        asyncio.ensure_future(push.send(work(0))),
+        asyncio.ensure_future(pub.wait_subscriber()),
+    ]
+    await let_loop_run()
+    assert not any(task.done() for task in blocked)
+    for endpoint in (pull, push, pub):
+        endpoint.close()
+    results = await asyncio.gather(*blocked, return_exceptions=True)
+    assert [type(r) for r in results] == [ClosedError] * 3
+    assert not any(task.cancelled() for task in blocked)
+
+
+async def test_transport_close_closes_everything_and_is_idempotent(url_factory) -> None:
+    transport = Transport()
+    pull = transport.open("pull", name="pull", bind=[url_factory()])
+    push = transport.open("push", name="push", connect=[pull.endpoints[0]])
+    transport.close()
+    transport.close()
+    assert pull.closed and push.closed and transport.open_endpoints == []
+    with pytest.raises(ClosedError):
+        await push.send(work(0))
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+async def test_statistics_count_messages_and_bytes(transport: Transport, url_factory) -> None:
+    codec = Codec()
+    big = np.arange(800_000, dtype=np.uint8)  # a separate frame
+    messages: Sequence[Message] = [work(i) for i in range(9)] + [chunk(0, big)]
+    size = sum(len(memoryview(f).cast("B")) for m in messages for f in codec.encode(m))
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        assert await push.send_many(messages) == len(messages)
+        got = await recv_n(pull, len(messages))
+        sent, received = push.statistics(), pull.statistics()
+    assert got[:9] == messages[:9]
+    assert np.array_equal(got[9].data, big)
+    assert not got[9].data.flags.writeable
+    assert (sent.name, sent.sent, sent.bytes_sent) == ("push", 10, size)
+    assert (received.name, received.received, received.bytes_received) == ("pull", 10, size)
+    assert received.decode_errors == received.dropped == received.queued == 0
+    assert sent.received == received.sent == 0
+
+
+# ----------------------------------------------------------------------- protocol document
+
+
+async def test_protocol_doc_example_is_a_valid_peer(transport: Transport) -> None:
+    """The plain pyzmq + msgpack client in docs/protocol.md talks to an echo2 ROUTER."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    found = re.search(r"<!-- example:begin -->\n```python\n(.*?)```\n<!-- example:end -->", doc, re.S)
+    assert found, "docs/protocol.md lost its example block"
+    async with transport.open("router", name="tasks", bind=["tcp://127.0.0.1:0"]) as router:
+        code = found.group(1).replace("tcp://127.0.0.1:5555", router.endpoints[0])
+        assert router.endpoints[0] in code
+        client = asyncio.ensure_future(
+            asyncio.to_thread(exec, compile(code, "docs/protocol.md", "exec"), {})
+        )
+        peer, hello = await router.recv()
+        assert (peer, hello) == (b"sampler-ext", Hello(peer_id="sampler-ext", role="sampler"))
+        assert await router.send(peer, Welcome(server_id="tasks", accepted=True))
+        assert await router.recv() == (peer, WorkRequest(sampler_id="sampler-ext", credits=4))
+        await client
+        assert router.statistics().decode_errors == 0
