@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -303,7 +304,7 @@ ROLES: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 
 
 def run_role(role: Callable[..., Any], env: Env, trial: Trial) -> Any:
-    if asyncio.iscoroutinefunction(role):
+    if inspect.iscoroutinefunction(role):
         return asyncio.run(role(env, trial))
     return role(env, trial)
 

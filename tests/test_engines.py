@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,6 +18,16 @@ from echo2.tasks import AdditionTask
 
 TOK = CharTokenizer()
 TASK = AdditionTask()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from threads, and a second thread competing for a busy
+    core slows small ops by orders of magnitude; restore the setting afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +88,11 @@ def test_sampling_params_validation() -> None:
 # --- torch engine ------------------------------------------------------------------------
 
 
-def test_logprobs_match_learner_recomputation(shipped: TorchEngine) -> None:
+@pytest.mark.parametrize("ragged", [False, True], ids=["equal-length", "ragged"])
+def test_logprobs_match_learner_recomputation(shipped: TorchEngine, ragged: bool) -> None:
     prompts = prompt_ids(6, seed=3)
+    if ragged:  # left padding, per-row positions and the padding mask in the engine
+        prompts[1::2] = [TOK.encode_prompt(p.text) for p in itertools.islice(AdditionTask(2).prompts(0), 3)]
     out = shipped.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
     flat = [(np.asarray(p), c) for p, row in zip(prompts, out, strict=True) for c in row]
     with torch.no_grad():

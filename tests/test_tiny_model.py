@@ -4,11 +4,12 @@ learner's sequence log-probs."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from echo2.models import CharTokenizer, KVCache, TinyConfig, TinyTransformer
@@ -16,6 +17,16 @@ from echo2.models.tiny import CONFIG_FILE, WEIGHTS_FILE
 from echo2.rl.logprobs import sequence_logprobs
 
 SMALL = TinyConfig(d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=24)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from threads, and a second thread competing for a busy
+    core slows small ops by orders of magnitude; restore the setting afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture
@@ -27,6 +38,7 @@ def model() -> TinyTransformer:
 # --- tokenizer ---------------------------------------------------------------------------
 
 
+@settings(deadline=None)  # a busy shared machine must not fail a pure function
 @given(st.text(alphabet="0123456789+=", max_size=30))
 def test_tokenizer_round_trip(text: str) -> None:
     tok = CharTokenizer()

@@ -1,7 +1,8 @@
 """The transport contract, checked once per medium (inproc, ipc, tcp).
 
-Every test takes ``url_factory`` and so runs three times; the ``transport`` fixture fails
-any test that leaves an endpoint open. Synchronization is by handshake (XPUB sees the
+Every contract test takes ``url_factory`` and so runs three times (the last test, the
+protocol document's example peer, is tcp only); the ``transport`` fixture fails any test
+that leaves an endpoint open. Synchronization is by handshake (XPUB sees the
 subscription) or by the data itself, never by sleeping. The only timeouts are negative
 checks ("this send is still blocked") and hang guards.
 """

@@ -125,6 +125,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(launcher.run())
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
         return _EXIT_SIGINT
+    finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
+        try:
+            from echo2.report import write_report
+
+            write_report(run_dir)
+        except Exception as exc:
+            logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:

@@ -117,7 +117,9 @@ def decode_batch(
         offset = (width - prompt_lens)[:, None]  # (P, 1) padding before each prompt
         key_mask[:, :width] = torch.arange(width, device=device) >= offset
         positions = (torch.arange(width, device=device) - offset).clamp(min=0)  # (P, W)
-        logits = model(ids, cache, positions=positions, key_padding_mask=key_mask[:, :width])[:, -1]  # (P, V)
+        logits = model(
+            ids, cache, positions=positions, key_padding_mask=key_mask[:, :width]
+        )[:, -1]  # (P, V)
     else:
         logits = model(ids, cache)[:, -1]  # (P, V)
 

@@ -106,6 +106,9 @@ class Endpoint:
         self._decode_errors = self._bytes_sent = self._bytes_received = 0
         self._last_decode_log = 0.0
         self.endpoints: list[str] = []
+        # Private pyzmq hook (zmq/_future.py), the one its own sync paths use; should a
+        # future pyzmq drop it, re-arming becomes a no-op and the contract tests catch it.
+        self._schedule_events = getattr(socket, "_schedule_remaining_events", _no_events)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -167,6 +170,7 @@ class Endpoint:
                 self._sync.send(frames[0], zmq.NOBLOCK)
             else:
                 self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self._rearm()
         except zmq.Again:
             if self._on_full == "drop":
                 self._dropped += 1
@@ -232,6 +236,17 @@ class Endpoint:
                 self._pending.append(self._recv_nowait())
             except zmq.Again:
                 break
+        self._rearm()
+
+    def _rearm(self) -> None:
+        """Let pending awaits on the async socket see events the shadow socket consumed.
+
+        The ZeroMQ FD is edge-triggered: a send or receive on the sync shadow can swallow the
+        edge that a concurrent ``await recv()`` (or a blocked send) on the same socket waits
+        for, which then never wakes (seen as a whole pipeline stalling at random). pyzmq's
+        own calls re-check pending events after each operation; this does the same for ours.
+        """
+        self._schedule_events()
 
     def _recv_nowait(self) -> list[Any]:
         """One queued multipart message, or ``zmq.Again``.
@@ -472,3 +487,7 @@ __all__ = [
     "SocketOptions",
     "SubscriberEndpoint",
 ]
+
+
+def _no_events() -> None:
+    return None

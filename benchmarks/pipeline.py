@@ -1,0 +1,647 @@
+"""End-to-end pipeline: echo2's actors against a plain single-process GRPO loop.
+
+    python benchmarks/pipeline.py [--steps N] [--seconds S] [--json] [--quick] [--check]
+                                  [--cases baseline,colocated,multi-S0,multi-S3]
+                                  [--timeout S] [--keep]
+
+Every case trains the shipped warm-started tiny model on 3-digit reversed addition with the
+same hyper-parameters (16 prompts x 8 samples per step, temperature 1, max_new_tokens 5,
+AdamW lr 3e-4 with the learner's 50-step linear warm-up, gradient clip 1, the learner's
+``grpo_loss`` with ``old_policy = "sampler"``) for the same number of learner steps
+(default 300, ``--quick`` 40), cases one after another:
+
+* ``baseline`` (a): :func:`run_baseline`, a minimal loop in this process — sample 16 x 8
+  with a ``TorchEngine`` sharing the trained model, score, group z-score advantages, one
+  optimizer step — with ``torch.set_num_threads(2)``;
+* ``colocated`` (b): ``examples/colocated.toml``, all six actors in one process (S = 3);
+* ``multi-S0`` (c): ``examples/sync.toml``, four processes, fully synchronous;
+* ``multi-S3`` (d): ``examples/topology.toml``, four processes, staleness budget S = 3.
+
+The echo2 cases run ``python -m echo2.launch TOPOLOGY --set ... --run-dir TMP`` as a
+subprocess (no in-loop evaluation or checkpoint; a timeout; the last log lines on failure;
+the temporary run directory removed afterwards unless ``--keep``).
+
+What is measured, for every case the same way: the *training phase*, from the start of the
+first step (its sampling, or for echo2 the learner's wait for its first batch, which
+includes filling the pipeline) to the end of the last optimizer step. Excluded: process
+start-up, model loading, the warm-start evaluation before the first step and the final
+evaluation after the last. For echo2 it is read from ``metrics/learner.jsonl`` (step 1's
+record time minus its wait and train time, to the last step's record time), not from
+``summary.json``'s ``wall_s``: the learner starts that clock *before* its warm-start
+evaluation, so it includes one greedy pass over the held-out set (both numbers are in
+the JSON output). Accuracy is greedy exact-match on ``AdditionTask().heldout(500)`` after
+the budget (echo2's ``final_accuracy``; the baseline evaluates the same way at the end).
+
+Floors (the issue's): multi-process S = 3 steps/s >= 0.8 x the baseline's, and S = 3 final
+accuracy no more than 5 points below S = 0 at equal steps. One seed, one run per case, a
+shared machine: read the accuracy gap against its noise (500 prompts: about +-2 points of
+sampling error each, more from training). ``--check`` exits 1 when a floor fails or a case
+fails; otherwise the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:  # running from a checkout without an install
+    try:
+        import echo2  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO / "src"))
+
+# The job every case runs (the example topologies' [job] and the learner's defaults).
+GROUPS_PER_STEP = 16
+GROUP_SIZE = 8
+TEMPERATURE = 1.0
+MAX_NEW_TOKENS = 5
+LR = 3e-4
+WARMUP_STEPS = 50
+GRAD_CLIP = 1.0
+CLIP_EPS = 0.2
+IS_CAP = 2.0
+EVAL_PROMPTS = 500
+BASELINE_THREADS = 2
+DEFAULT_STEPS = 300
+QUICK_STEPS = 40
+
+ECHO2_CASES: dict[str, tuple[str, str]] = {
+    "colocated": ("examples/colocated.toml", "(b) echo2 co-located, 1 process, S=3"),
+    "multi-S0": ("examples/sync.toml", "(c) echo2 multi-process, S=0"),
+    "multi-S3": ("examples/topology.toml", "(d) echo2 multi-process, S=3"),
+}
+BASELINE_DESCRIPTION = "(a) single-process GRPO loop"
+CASES = ("baseline", *ECHO2_CASES)
+FLOOR_STEPS_RATIO = 0.8
+FLOOR_ACCURACY_POINTS = 5.0
+LOG_TAIL_LINES = 30
+KILL_GRACE_S = 30.0
+"""Seconds after SIGTERM (the launcher drains its children) before the launcher is killed."""
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """One case's measurements; times in seconds, accuracies in [0, 1]."""
+
+    case: str
+    description: str
+    ok: bool = True
+    error: str = ""
+    steps: int = 0
+    rollouts: int = 0
+    train_wall_s: float = math.nan
+    """The training phase (see the module docstring)."""
+    initial_accuracy: float = math.nan
+    final_accuracy: float = math.nan
+    staleness_max: int | None = None
+    learner_idle_fraction: float = math.nan
+    """echo2: the learner's wait for batches / (wait + train). Baseline: the share of the
+    loop spent sampling and scoring, during which nothing trains."""
+    train_s_per_step: float = math.nan
+    """Mean time of the optimizer part of a step (re-score, loss, backward, AdamW)."""
+    wait_s_per_step: float = math.nan
+    """echo2: mean learner wait for a batch. Baseline: mean sampling + scoring time."""
+    first_wait_s: float = math.nan
+    """echo2: the learner's wait for its first batch (the pipeline filling up)."""
+    process_wall_s: float = math.nan
+    """Whole case, start-up and shutdown included (echo2: the launcher's lifetime)."""
+    summary_wall_s: float = math.nan
+    """echo2's own ``summary.json`` ``wall_s`` (includes the warm-start evaluation)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def steps_per_s(self) -> float:
+        return _rate(self.steps, self.train_wall_s)
+
+    @property
+    def rollouts_per_s(self) -> float:
+        return _rate(self.rollouts, self.train_wall_s)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"case": self.case, "description": self.description, "ok": self.ok}
+        if self.error:
+            out["error"] = self.error
+        out.update(
+            steps=self.steps,
+            rollouts=self.rollouts,
+            train_wall_s=_num(self.train_wall_s, 3),
+            steps_per_s=_num(self.steps_per_s, 4),
+            rollouts_per_s=_num(self.rollouts_per_s, 1),
+            initial_accuracy=_num(self.initial_accuracy, 4),
+            final_accuracy=_num(self.final_accuracy, 4),
+            staleness_max=self.staleness_max,
+            learner_idle_fraction=_num(self.learner_idle_fraction, 4),
+            train_s_per_step=_num(self.train_s_per_step, 4),
+            wait_s_per_step=_num(self.wait_s_per_step, 4),
+            first_wait_s=_num(self.first_wait_s, 3),
+            process_wall_s=_num(self.process_wall_s, 2),
+            summary_wall_s=_num(self.summary_wall_s, 2),
+            **self.extra,
+        )
+        return out
+
+
+def _rate(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 and math.isfinite(seconds) else math.nan
+
+
+def _num(value: float | None, digits: int) -> float | None:
+    """JSON-safe rounding: NaN and inf become null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return round(float(value), digits)
+
+
+# -- (a) the baseline: a plain GRPO loop -------------------------------------------------
+
+
+def run_baseline(
+    steps: int = DEFAULT_STEPS,
+    *,
+    max_wall_s: float = 0.0,
+    eval_prompts: int = EVAL_PROMPTS,
+    threads: int = BASELINE_THREADS,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> CaseResult:
+    """Train the warm start for ``steps`` GRPO steps in this process, plainly.
+
+    Same job as the learner: ``GROUPS_PER_STEP`` training prompts (the PromptSource's stream
+    ``task.prompts(seed)``), ``GROUP_SIZE`` samples each at temperature 1 from the model
+    being trained, reward, group z-score advantages, ``grpo_loss(logp, logp_sampler,
+    logp_sampler, adv, mask)``, AdamW with warm-up and gradient clipping. Stops after
+    ``steps`` steps or once the training phase has lasted ``max_wall_s`` (0 = no limit).
+    Greedy accuracy on ``heldout(eval_prompts)`` is measured before and after, outside the
+    timed phase. ``torch``'s thread count is set to ``threads`` and restored afterwards.
+    """
+    import numpy as np
+    import torch
+
+    from echo2.engines.base import SamplingParams
+    from echo2.engines.torch_engine import TorchEngine
+    from echo2.models import default_checkpoint_dir
+    from echo2.models.tiny import TinyTransformer
+    from echo2.rl.grpo import grpo_loss
+    from echo2.rl.logprobs import sequence_logprobs
+    from echo2.tasks.addition import AdditionTask
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        task = AdditionTask(digits=3)
+        heldout = task.heldout(eval_prompts)
+        model = TinyTransformer.load(default_checkpoint_dir())
+        engine = TorchEngine(model=model, seed=seed)  # shares (and samples from) the model
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
+        stream = task.prompts(seed)
+
+        def evaluate() -> float:
+            ids = [engine.encode_prompt(p.text) for p in heldout]
+            completions = engine.greedy(ids, max_new_tokens=MAX_NEW_TOKENS)
+            return float(np.mean([task.reward(p, c.text) for p, c in zip(heldout, completions, strict=True)]))
+
+        initial_accuracy = evaluate()
+        sample_s = train_s = 0.0
+        rollouts = done = 0
+        rewards_seen: list[float] = []
+        phase_start = time.perf_counter()
+        while done < steps:
+            if max_wall_s and time.perf_counter() - phase_start >= max_wall_s:
+                break
+            t0 = time.perf_counter()
+            batch = [next(stream) for _ in range(GROUPS_PER_STEP)]
+            prompt_ids = [engine.encode_prompt(p.text) for p in batch]
+            groups = engine.generate(prompt_ids, GROUP_SIZE, params)
+            prompts, responses, behaviour_lp, advantages = [], [], [], []
+            for prompt, ids, completions in zip(batch, prompt_ids, groups, strict=True):
+                r = np.array([task.reward(prompt, c.text) for c in completions], dtype=np.float64)
+                adv = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else np.zeros_like(r)
+                rewards_seen.extend(r.tolist())
+                for c, a in zip(completions, adv.tolist(), strict=True):
+                    prompts.append(np.asarray(ids, dtype=np.int32))
+                    responses.append(c.token_ids)
+                    behaviour_lp.append(c.logprobs)
+                    advantages.append(a)
+            t1 = time.perf_counter()
+            logp, mask = sequence_logprobs(model, prompts, responses, pad_id=0)  # (B, T)
+            behaviour = torch.zeros_like(logp)  # (B, T)
+            for b, lp in enumerate(behaviour_lp):
+                behaviour[b, : len(lp)] = torch.from_numpy(np.asarray(lp, dtype=np.float32))
+            loss, _ = grpo_loss(
+                logp,
+                behaviour,  # old_policy = "sampler": pi_old is the policy that sampled
+                behaviour,
+                torch.tensor(advantages, dtype=torch.float32),  # (B,)
+                mask,
+                clip_eps=CLIP_EPS,
+                is_cap=IS_CAP,
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = LR * min(1.0, (done + 1) / max(1, WARMUP_STEPS))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+            optimizer.step()
+            t2 = time.perf_counter()
+            sample_s += t1 - t0
+            train_s += t2 - t1
+            rollouts += len(responses)
+            done += 1
+            if log is not None and (done % 50 == 0 or done == steps):
+                log(f"   baseline step {done}: reward {np.mean(rewards_seen[-GROUPS_PER_STEP * GROUP_SIZE:]):.3f}")
+        train_wall_s = time.perf_counter() - phase_start
+        final_accuracy = evaluate()
+    finally:
+        torch.set_num_threads(previous_threads)
+    busy = sample_s + train_s
+    return CaseResult(
+        case="baseline",
+        description=BASELINE_DESCRIPTION,
+        steps=done,
+        rollouts=rollouts,
+        train_wall_s=train_wall_s,
+        initial_accuracy=initial_accuracy,
+        final_accuracy=final_accuracy,
+        staleness_max=0,
+        learner_idle_fraction=sample_s / busy if busy else math.nan,
+        train_s_per_step=train_s / done if done else math.nan,
+        wait_s_per_step=sample_s / done if done else math.nan,
+        process_wall_s=time.perf_counter() - started,
+        extra={"reward_mean": _num(float(np.mean(rewards_seen)) if rewards_seen else math.nan, 4)},
+    )
+
+
+# -- (b)-(d): echo2 through the launcher ---------------------------------------------------
+
+
+def echo2_command(case: str, steps: int, run_dir: Path, *, max_wall_s: float, deadline_s: float) -> list[str]:
+    topology, _ = ECHO2_CASES[case]
+    learner = "actors.learner.config"
+    overrides = [
+        f"{learner}.max_steps={steps}",
+        f"{learner}.eval_every=0",  # no evaluation inside the timed phase
+        f"{learner}.checkpoint_every=0",  # nor checkpoints (the final one is after the clock)
+        f"{learner}.eval_prompts={EVAL_PROMPTS}",
+        f"{learner}.max_wall_s={float(max_wall_s)!r}",
+        f"run.deadline_s={float(deadline_s)!r}",
+    ]
+    command = [sys.executable, "-m", "echo2.launch", str(REPO / topology)]
+    for override in overrides:
+        command += ["--set", override]
+    return [*command, "--run-dir", str(run_dir)]
+
+
+def run_echo2(
+    case: str,
+    steps: int,
+    *,
+    max_wall_s: float = 0.0,
+    timeout_s: float,
+    keep: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> CaseResult:
+    """Run one echo2 topology as a subprocess and read its summary and learner metrics."""
+    _, description = ECHO2_CASES[case]
+    result = CaseResult(case=case, description=description)
+    parent = Path(tempfile.mkdtemp(prefix=f"echo2-bench-{case}-"))
+    launcher_log = parent / "launcher.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
+    # The launcher's own deadline stops the run cleanly (a partial summary) before ours.
+    command = echo2_command(case, steps, parent, max_wall_s=max_wall_s, deadline_s=max(timeout_s - 20.0, 10.0))
+    started = time.perf_counter()
+    try:
+        with open(launcher_log, "wb") as out:
+            proc = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env
+            )
+            try:
+                rc = _wait(proc, timeout_s)
+            except BaseException:  # Ctrl-C: never leave the launcher (and its children) behind
+                _stop(proc)
+                raise
+        result.process_wall_s = time.perf_counter() - started
+        if rc is None:
+            result.ok, result.error = False, f"timed out after {timeout_s:.0f} s (launcher stopped)"
+        elif rc != 0:
+            result.ok, result.error = False, f"launcher exited with code {rc}"
+        runs = sorted(p for p in parent.iterdir() if p.is_dir())
+        run_dir = runs[-1] if runs else None
+        summary_path = run_dir / "summary.json" if run_dir else None
+        if summary_path is None or not summary_path.exists():
+            if result.ok:
+                result.ok, result.error = False, "no summary.json was written"
+        else:
+            _read_run(result, run_dir, json.loads(summary_path.read_text()))
+            if result.ok and result.steps < steps and not max_wall_s:
+                result.ok, result.error = False, f"incomplete: {result.steps} of {steps} steps"
+        if not result.ok and log is not None:
+            log(f"!! {case}: {result.error}; command: {' '.join(command)}")
+            for line in _failure_context(launcher_log, run_dir):
+                log(f"   | {line}")
+    finally:
+        if keep:
+            if log is not None:
+                log(f"   {case}: run directory kept in {parent}")
+        else:
+            shutil.rmtree(parent, ignore_errors=True)
+    return result
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """The exit code, or None after stopping a launcher that ran past ``timeout_s``."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launcher (it drains and stops its children), SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its children get SIGTERM from PR_SET_PDEATHSIG
+        proc.wait()
+
+
+def _read_run(result: CaseResult, run_dir: Path, summary: dict[str, Any]) -> None:
+    result.steps = int(summary.get("steps", 0))
+    result.rollouts = int(summary.get("rollouts_trained", 0))
+    result.initial_accuracy = float(summary.get("initial_accuracy", math.nan))
+    result.final_accuracy = float(summary.get("final_accuracy", math.nan))
+    result.staleness_max = summary.get("staleness_max")
+    result.learner_idle_fraction = float(summary.get("learner_idle_fraction", math.nan))
+    result.summary_wall_s = float(summary.get("wall_s", math.nan))
+    result.extra = {
+        "summary_steps_per_s": summary.get("steps_per_s"),
+        "summary_rollouts_per_s": summary.get("rollouts_per_s"),
+        "staleness_histogram": summary.get("staleness_histogram", {}),
+        "drops_by_reason": summary.get("drops_by_reason", {}),
+        "rollouts_trained_twice": summary.get("rollouts_trained_twice"),
+    }
+    steps = _learner_steps(run_dir / "metrics" / "learner.jsonl")
+    if steps:
+        first, last = steps[0], steps[-1]
+        phase_start = first["time_s"] - first.get("wait_s", 0.0) - first.get("train_s", 0.0)
+        result.train_wall_s = last["time_s"] - phase_start
+        waits = [s.get("wait_s", 0.0) for s in steps]
+        trains = [s.get("train_s", 0.0) for s in steps]
+        result.first_wait_s = waits[0]
+        result.wait_s_per_step = sum(waits) / len(waits)
+        result.train_s_per_step = sum(trains) / len(trains)
+        result.extra["wait_s_after_first_per_step"] = _num(
+            sum(waits[1:]) / (len(waits) - 1) if len(waits) > 1 else math.nan, 4
+        )
+        result.extra["steps_waiting_over_10ms"] = sum(w > 0.01 for w in waits)
+        result.extra["reward_mean"] = _num(sum(s.get("reward_mean", 0.0) for s in steps) / len(steps), 4)
+        result.extra["phase_from"] = "metrics/learner.jsonl"
+    else:  # no per-step metrics: fall back on the summary's clock
+        result.train_wall_s = result.summary_wall_s
+        result.extra["phase_from"] = "summary.json wall_s (includes the warm-start evaluation)"
+
+
+def _learner_steps(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("kind") == "step" and "time_s" in record:
+            records.append(record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _failure_context(launcher_log: Path, run_dir: Path | None) -> list[str]:
+    """The last lines of the launcher's output and of every process log."""
+    lines: list[str] = []
+    sources = [("launcher", launcher_log)]
+    if run_dir is not None and (run_dir / "logs").is_dir():
+        sources += [(p.stem, p) for p in sorted((run_dir / "logs").glob("*.log"))]
+    for name, path in sources:
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        if not text:
+            continue
+        lines.append(f"--- {name} (last {min(len(text), LOG_TAIL_LINES)} lines)")
+        lines += text[-LOG_TAIL_LINES:]
+    return lines
+
+
+# -- comparison ----------------------------------------------------------------------------
+
+
+def ratios(results: list[CaseResult]) -> dict[str, dict[str, float | None]]:
+    """Per case: steps/s and rollouts/s over the baseline's, final accuracy minus its (points)."""
+    base = next((r for r in results if r.case == "baseline" and r.ok), None)
+    out: dict[str, dict[str, float | None]] = {}
+    for r in results:
+        if base is None or not r.ok:
+            out[r.case] = {"steps_per_s": None, "rollouts_per_s": None, "final_accuracy_points": None}
+            continue
+        out[r.case] = {
+            "steps_per_s": _num(r.steps_per_s / base.steps_per_s, 3),
+            "rollouts_per_s": _num(r.rollouts_per_s / base.rollouts_per_s, 3),
+            "final_accuracy_points": _num(100 * (r.final_accuracy - base.final_accuracy), 1),
+        }
+    return out
+
+
+def floors(results: list[CaseResult]) -> list[dict[str, Any]]:
+    """The issue's floors; FAIL when a needed case failed, SKIP when it was not run."""
+    by_case = {r.case: r for r in results}
+    checks: list[dict[str, Any]] = []
+
+    name = f"multi-process S=3 steps/s >= {FLOOR_STEPS_RATIO}x single-process loop"
+    base, s3 = by_case.get("baseline"), by_case.get("multi-S3")
+    if base is None or s3 is None:
+        checks.append({"floor": name, "value": None, "min": FLOOR_STEPS_RATIO, "result": "SKIP"})
+    elif not (base.ok and s3.ok):
+        checks.append({"floor": name, "value": None, "min": FLOOR_STEPS_RATIO, "result": "FAIL"})
+    else:
+        value = s3.steps_per_s / base.steps_per_s
+        checks.append(
+            {
+                "floor": name,
+                "value": _num(value, 3),
+                "min": FLOOR_STEPS_RATIO,
+                "result": "PASS" if value >= FLOOR_STEPS_RATIO else "FAIL",
+            }
+        )
+
+    name = f"S=3 final accuracy >= S=0's - {FLOOR_ACCURACY_POINTS:g} points at equal steps"
+    s0 = by_case.get("multi-S0")
+    check: dict[str, Any] = {"floor": name, "value": None, "min": -FLOOR_ACCURACY_POINTS}
+    if s0 is None or s3 is None:
+        check["result"] = "SKIP"
+    elif not (s0.ok and s3.ok):
+        check["result"] = "FAIL"
+    else:
+        value = 100 * (s3.final_accuracy - s0.final_accuracy)
+        check["value"] = _num(value, 1)
+        check["s0_steps"], check["s3_steps"] = s0.steps, s3.steps
+        if s0.steps != s3.steps:
+            check["result"] = "SKIP"
+            check["note"] = "unequal steps (a --seconds budget)"
+        else:
+            check["result"] = "PASS" if value >= -FLOOR_ACCURACY_POINTS else "FAIL"
+    checks.append(check)
+    return checks
+
+
+def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return format(value, spec)
+
+
+def print_table(results: list[CaseResult], rel: dict[str, dict[str, float | None]]) -> None:
+    header = (
+        f"{'case':<38} {'steps':>5} {'train s':>8} {'steps/s':>8} {'x(a)':>5} {'rollouts/s':>10} "
+        f"{'x(a)':>5} {'acc start->end':>14} {'vs(a)':>6} {'stale':>5} {'idle':>5} "
+        f"{'train/step':>10} {'wait/step':>9} {'total s':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if not r.ok and not r.steps:
+            print(f"{r.description:<38} FAILED: {r.error}")
+            continue
+        ratio = rel.get(r.case, {})
+        accuracy = f"{_fmt(r.initial_accuracy, '.3f')}->{_fmt(r.final_accuracy, '.3f')}"
+        points = ratio.get("final_accuracy_points")
+        print(
+            f"{r.description:<38} {r.steps:>5} {_fmt(r.train_wall_s, '8.1f'):>8} "
+            f"{_fmt(r.steps_per_s, '8.3f'):>8} {_fmt(ratio.get('steps_per_s'), '5.2f'):>5} "
+            f"{_fmt(r.rollouts_per_s, '10.1f'):>10} {_fmt(ratio.get('rollouts_per_s'), '5.2f'):>5} "
+            f"{accuracy:>14} {_fmt(points, '+6.1f'):>6} {_fmt(r.staleness_max, 'd'):>5} "
+            f"{_fmt(100 * r.learner_idle_fraction, '4.0f') + '%':>5} "
+            f"{_fmt(r.train_s_per_step, '10.3f'):>10} {_fmt(r.wait_s_per_step, '9.3f'):>9} "
+            f"{_fmt(r.process_wall_s, '8.1f'):>8}"
+        )
+        if not r.ok:
+            print(f"{'':<38} ^ FAILED: {r.error}")
+    print(
+        "\ntrain s: the training phase (first step to last, no start-up or evaluations); "
+        "vs(a): final accuracy minus (a)'s, in points;\nidle / wait/step: for echo2 the "
+        "learner waiting for a batch, for (a) the sampling+scoring part of each step; "
+        "total s: the whole case incl. start-up/shutdown."
+    )
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=None, help=f"learner steps per case (default {DEFAULT_STEPS})")
+    parser.add_argument(
+        "--seconds", type=float, default=0.0,
+        help="also stop each case after this many seconds of training (unlimited steps unless --steps)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps per case")
+    parser.add_argument("--json", action="store_true", help="one JSON object per case, then one with ratios and floors")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a floor or a case fails")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per echo2 run before it is stopped")
+    parser.add_argument("--keep", action="store_true", help="keep the echo2 run directories (paths on stderr)")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or not cases:
+        parser.error(f"--cases: choose from {', '.join(CASES)}")
+    cases = [c for c in CASES if c in cases]  # the baseline first: ratios need it
+    if args.seconds < 0:
+        parser.error("--seconds must be >= 0")
+    if args.steps is not None:
+        steps = args.steps
+    elif args.seconds:
+        steps = 10**9  # the time budget decides
+    else:
+        steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.timeout is not None:
+        timeout_s = args.timeout
+    else:  # generous: shared 2-core machines run a step in 0.3-1 s
+        budget = 4.0 * steps if not args.seconds else 2.0 * args.seconds
+        if args.seconds and args.steps is not None:
+            budget = min(budget, 4.0 * steps)
+        timeout_s = 180.0 + budget
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    budget_text = f"{steps} steps" if steps < 10**9 else "no step limit"
+    if args.seconds:
+        budget_text += f", at most {args.seconds:g} s of training"
+    log(f".. pipeline benchmark: {budget_text} per case; cases {', '.join(cases)}")
+    started = time.perf_counter()
+    results: list[CaseResult] = []
+    for case in cases:
+        t0 = time.perf_counter()
+        log(f".. {case} ...")
+        if case == "baseline":
+            try:
+                result = run_baseline(steps, max_wall_s=args.seconds, log=log)
+            except Exception as exc:  # a benchmark reports, it does not crash
+                result = CaseResult(case="baseline", description=BASELINE_DESCRIPTION, ok=False, error=repr(exc))
+                log(f"!! baseline failed: {exc!r}")
+        else:
+            result = run_echo2(case, steps, max_wall_s=args.seconds, timeout_s=timeout_s, keep=args.keep, log=log)
+        results.append(result)
+        log(
+            f".. {case}: {'ok' if result.ok else 'FAILED'}, {result.steps} steps, "
+            f"{_fmt(result.steps_per_s, '.3f')} steps/s, final accuracy {_fmt(result.final_accuracy, '.3f')} "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+    rel = ratios(results)
+    checks = floors(results)
+    log(f".. {time.perf_counter() - started:.0f} s in all")
+
+    if args.json:
+        for r in results:
+            print(json.dumps({**r.to_json(), "ratio_to_baseline": rel.get(r.case)}))
+        print(json.dumps({"ratios_to_baseline": rel, "floors": checks}))
+    else:
+        print_table(results, rel)
+        print("\nfloors:")
+        for check in checks:
+            value = "n/a" if check["value"] is None else f"{check['value']:g}"
+            if check["result"] == "FAIL" and check["value"] is None:
+                value = "a case failed"
+            note = f" [{check['note']}]" if "note" in check else ""
+            print(f"  {check['result']:4}  {check['floor']}: {value} (min {check['min']:g}){note}")
+    failed = any(c["result"] == "FAIL" for c in checks) or any(not r.ok for r in results)
+    return 1 if (args.check and failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Each data-plane actor alone, driven by the test through real sockets.
+
+The test plays the actor's peers: it binds or connects raw endpoints to the actor's inproc
+addresses (one shared Transport, so inproc reaches across) and checks what the actor says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from echo2.actor import Actor, JobConfig, PortAddresses
+from echo2.actors.buffer import Buffer
+from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
+from echo2.actors.rewarder import Rewarder, RewarderConfig
+from echo2.messages import (
+    Batch,
+    BatchRequest,
+    ExpireLease,
+    Hello,
+    LeaseClosed,
+    LearnerProgress,
+    RolloutGroup,
+    ScoredGroup,
+    TaskLease,
+    Welcome,
+    WorkRequest,
+)
+from echo2.runtime import ProcessRuntime
+from echo2.transport import Transport
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _addresses(actor: Actor, prefix: str) -> dict[str, PortAddresses]:
+    """Binders bind inproc://prefix/port; connectors connect to inproc://prefix/peer-port."""
+    out = {}
+    for port, spec in actor.ports.items():
+        url = f"inproc://{prefix}/{port}" if spec.bind else f"inproc://{prefix}/peer-{port}"
+        out[port] = PortAddresses(bind=(url,)) if spec.bind else PortAddresses(connect=(url,))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
+    prefix = f"t-{actor.name}-{id(actor):x}"
+    runtime = ProcessRuntime(
+        [actor], {actor.name: _addresses(actor, prefix)}, transport=transport, drain_timeout_s=2.0
+    )
+    async with asyncio.TaskGroup() as group:
+        group.create_task(runtime.run())
+        await runtime.wait_ready()
+        try:
+            yield prefix
+        finally:
+            runtime.request_stop("test finished")
+
+
+def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) -> RolloutGroup:
+    n = len(texts)
+    return RolloutGroup(
+        lease_id=lease_id,
+        task_id=task_id,
+        attempt=0,
+        sampler_id="s",
+        incarnation=0,
+        version=version,
+        prompt="123+456=",
+        answer="975",
+        prompt_token_ids=np.arange(8, dtype=np.int32),
+        token_ids=np.zeros(4 * n, dtype=np.int32),
+        logprobs=np.full(4 * n, -0.5, dtype=np.float32),
+        offsets=np.arange(0, 4 * n + 1, 4, dtype=np.int32),
+        texts=list(texts),
+        finish_reasons=["eos"] * n,
+    )
+
+
+def _scored(task_id: str, version: int, lease_id: int, reason: str = "") -> ScoredGroup:
+    return ScoredGroup(
+        group=_group(task_id, version, lease_id),
+        rewards=np.array([1.0, 0.0], dtype=np.float32),
+        keep=np.array([True, True]),
+        dropped_reason=reason,
+    )
+
+
+async def _closed(completions, n: int) -> list[LeaseClosed]:
+    out: list[LeaseClosed] = []
+    while len(out) < n:
+        out += [m for m in await completions.recv_many() if isinstance(m, LeaseClosed)]
+    return out
+
+
+# -- Buffer -------------------------------------------------------------------------------
+
+
+async def test_buffer_admits_only_fresh_groups_and_accounts_for_every_one(transport: Transport) -> None:
+    buffer = Buffer("buf", job=JobConfig(staleness=2))
+    async with running(buffer, transport) as p:
+        completions = transport.pull(name="ps.completions", bind=[f"inproc://{p}/peer-completions"])
+        scored = transport.push(name="rw.scored", connect=[f"inproc://{p}/scored"])
+        control = transport.push(name="ps.control", connect=[f"inproc://{p}/lease_control"])
+        learner = transport.dealer(name="learner", connect=[f"inproc://{p}/batch"], identity=b"learner")
+        try:
+            # The learner is at version 5 with S = 2: versions 3.. are admissible.
+            await learner.send(BatchRequest(request_id=1, incarnation=0, version=5, num_groups=2))
+            for i, version in enumerate([1, 3, 5]):
+                await scored.send(_scored(f"task-{i}", version, lease_id=10 + i))
+            await scored.send(_scored("task-2", 5, lease_id=99))  # same task again
+            outcomes = {c.lease_id: c.outcome for c in await _closed(completions, 4)}
+            # The request and the groups travel on different sockets, so the version-1 group
+            # is either refused on arrival or stored and evicted when the request is seen.
+            assert outcomes.pop(10) in ("dropped:stale", "stored")
+            assert outcomes == {11: "stored", 12: "stored", 99: "duplicate"}
+
+            batch = await learner.recv()
+            assert isinstance(batch, Batch) and batch.request_id == 1
+            assert sorted(g.group.task_id for g in batch.groups) == ["task-1", "task-2"]
+            assert batch.buffer_stats["dropped_stale"] == 1
+            assert batch.buffer_stats["dropped_duplicate"] == 1
+
+            # Expiry is decided once: a stored lease stays stored, an open one expires and a
+            # result arriving after that is rejected as late.
+            await control.send(ExpireLease(lease_id=11, task_id="task-1", attempt=0))
+            await control.send(ExpireLease(lease_id=20, task_id="task-9", attempt=0))
+            outcomes = {c.lease_id: c.outcome for c in await _closed(completions, 2)}
+            assert outcomes == {11: "stored", 20: "expired"}
+            await scored.send(_scored("task-9", 5, lease_id=20))
+            assert [c.outcome for c in await _closed(completions, 1)] == ["late"]
+            assert buffer.dropped["late"] == 1
+        finally:
+            for endpoint in (completions, scored, control, learner):
+                endpoint.close()
+
+
+async def test_buffer_evicts_groups_that_became_stale_while_waiting(transport: Transport) -> None:
+    buffer = Buffer("buf", job=JobConfig(staleness=0))
+    async with running(buffer, transport) as p:
+        completions = transport.pull(name="ps.completions", bind=[f"inproc://{p}/peer-completions"])
+        scored = transport.push(name="rw.scored", connect=[f"inproc://{p}/scored"])
+        learner = transport.dealer(name="learner", connect=[f"inproc://{p}/batch"], identity=b"learner")
+        try:
+            await scored.send(_scored("old", 0, lease_id=1))
+            await _closed(completions, 1)
+            # S = 0: once the learner asks at version 1, a version-0 group can never train.
+            await learner.send(BatchRequest(request_id=1, incarnation=0, version=1, num_groups=1))
+            progress = None
+            while progress is None:
+                for m in await completions.recv_many():
+                    if isinstance(m, LearnerProgress):
+                        progress = m
+            assert progress.groups_dropped_after_store == 1
+            await scored.send(_scored("new", 1, lease_id=2))
+            batch = await learner.recv()
+            assert [g.group.task_id for g in batch.groups] == ["new"]
+        finally:
+            for endpoint in (completions, scored, learner):
+                endpoint.close()
+
+
+# -- PromptSource -------------------------------------------------------------------------
+
+
+async def test_expired_lease_is_reissued_with_next_attempt(transport: Transport) -> None:
+    source = PromptSource(
+        "ps",
+        PromptSourceConfig(lease_ttl_s=0.2, expiry_check_s=0.02),
+        JobConfig(group_size=4, staleness=1),
+    )
+    async with running(source, transport) as p:
+        sampler = transport.dealer(name="s0", connect=[f"inproc://{p}/tasks"], identity=b"s0")
+        buffer_control = transport.pull(name="buf.control", bind=[f"inproc://{p}/peer-lease_control"])
+        completions = transport.push(name="buf.completions", connect=[f"inproc://{p}/completions"])
+        try:
+            await sampler.send(Hello(peer_id="s0", role="sampler"))
+            welcome = await sampler.recv()
+            assert isinstance(welcome, Welcome) and welcome.accepted
+            await sampler.send(WorkRequest(sampler_id="s0", credits=1))
+            first = await sampler.recv()
+            assert isinstance(first, TaskLease) and first.attempt == 0 and first.group_size == 4
+
+            # The sampler goes silent; the deadline passes and the source asks the buffer.
+            expire = await buffer_control.recv()
+            assert isinstance(expire, ExpireLease) and expire.lease_id == first.lease_id
+            await completions.send(
+                LeaseClosed(lease_id=first.lease_id, task_id=first.task_id, attempt=0, outcome="expired")
+            )
+            await sampler.send(WorkRequest(sampler_id="s0", credits=1))
+            again = await sampler.recv()
+            assert isinstance(again, TaskLease)
+            assert (again.task_id, again.attempt) == (first.task_id, 1)
+            assert again.lease_id != first.lease_id
+            assert source.counters["leases_reissued"] == 1
+        finally:
+            for endpoint in (sampler, buffer_control, completions):
+                endpoint.close()
+
+
+async def test_sampler_with_another_protocol_version_is_refused(transport: Transport) -> None:
+    source = PromptSource("ps", job=JobConfig())
+    async with running(source, transport) as p:
+        sampler = transport.dealer(name="s0", connect=[f"inproc://{p}/tasks"], identity=b"s0")
+        try:
+            await sampler.send(Hello(peer_id="s0", role="sampler", protocol_version=99))
+            welcome = await sampler.recv()
+            assert isinstance(welcome, Welcome) and not welcome.accepted
+            assert "protocol 99" in welcome.reason
+        finally:
+            sampler.close()
+
+
+async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) -> None:
+    job = JobConfig(groups_per_step=2, staleness=0)  # window = 2 groups
+    source = PromptSource("ps", job=job)
+    async with running(source, transport) as p:
+        sampler = transport.dealer(name="s0", connect=[f"inproc://{p}/tasks"], identity=b"s0")
+        completions = transport.push(name="buf.completions", connect=[f"inproc://{p}/completions"])
+        try:
+            await sampler.send(Hello(peer_id="s0", role="sampler"))
+            await sampler.recv()
+            await sampler.send(WorkRequest(sampler_id="s0", credits=10))
+            leases = [await sampler.recv(), await sampler.recv()]
+            # Stored is not trained: the window stays full until the learner takes them.
+            for lease in leases:
+                await completions.send(
+                    LeaseClosed(lease_id=lease.lease_id, task_id=lease.task_id, attempt=0, outcome="stored")
+                )
+            await completions.send(
+                LearnerProgress(next_version=1, groups_stored=2, groups_trained=2, groups_dropped_after_store=0)
+            )
+            third = await sampler.recv()
+            assert isinstance(third, TaskLease) and third.min_version == 1
+            assert source.counters["leases_issued"] >= 3
+            assert sampler.statistics().received == 4  # welcome + exactly three leases so far
+        finally:
+            sampler.close()
+            completions.close()
+
+
+# -- Rewarder -----------------------------------------------------------------------------
+
+
+def flaky_reward(prompt, completion: str) -> float:
+    """Test reward: raises on "boom", hangs (beyond the deadline) on "hang"."""
+    if completion == "boom":
+        raise RuntimeError("reward code crashed")
+    if completion == "hang":
+        import threading
+
+        threading.Event().wait(2.0)
+    return float(completion == prompt.answer)
+
+
+async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport) -> None:
+    job = JobConfig(reward="tests.test_actors:flaky_reward")
+    rewarder = Rewarder("rw", RewarderConfig(item_timeout_s=0.2, min_kept=2), job)
+    async with running(rewarder, transport) as p:
+        rollouts = transport.push(name="s.rollouts", connect=[f"inproc://{p}/rollouts"])
+        scored = transport.pull(name="buf.scored", bind=[f"inproc://{p}/peer-scored"])
+        try:
+            await rollouts.send(_group("a", 0, texts=("975", "boom", "hang", "1")))
+            await rollouts.send(_group("b", 0, texts=("boom", "boom", "975")))
+            results = {}
+            while len(results) < 2:
+                for m in await scored.recv_many():
+                    results[m.group.task_id] = m
+            a, b = results["a"], results["b"]
+            assert a.keep.tolist() == [True, False, False, True]
+            assert a.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+            assert a.item_errors == {"raised:RuntimeError": 1, "timeout": 1}
+            assert a.dropped_reason == ""
+            assert b.dropped_reason == "reward_failed"  # one kept < min_kept
+            assert rewarder.statistics()["item_timeout"] == 1
+        finally:
+            rollouts.close()
+            scored.close()

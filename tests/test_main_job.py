@@ -1,0 +1,80 @@
+"""The main job end to end: the six actors train the built-in model, and it learns.
+
+Two ways in, both real: the embedding API in this process (learning is asserted), and the
+launcher with several processes (the bounds every run must keep are asserted).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo2.actor import JobConfig
+from echo2.actors.buffer import Buffer
+from echo2.actors.learner import Learner, LearnerConfig
+from echo2.actors.prompt_source import PromptSource
+from echo2.actors.rewarder import Rewarder
+from echo2.actors.sampler import Sampler, SamplerConfig
+from echo2.actors.weight_publisher import WeightPublisher
+from echo2.pipeline import Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+async def test_grpo_in_one_process_learns(tmp_path: Path) -> None:
+    torch.set_num_threads(1)  # sampler and learner threads share the two cores
+    job = JobConfig(staleness=3, max_new_tokens=5)
+    actors = [
+        PromptSource("prompt_source", job=job),
+        Sampler("sampler", SamplerConfig(credits=16, max_batch_groups=16), job),
+        Rewarder("rewarder", job=job),
+        Buffer("buffer", job=job),
+        Learner("learner", LearnerConfig(max_steps=150, eval_every=0, eval_prompts=300), job),
+        WeightPublisher("weight_publisher", job=job),
+    ]
+    async with Pipeline(actors, run_dir=tmp_path) as pipeline:
+        await pipeline.wait()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 150
+    assert summary["final_accuracy"] >= summary["initial_accuracy"] + 0.10, summary
+    assert summary["staleness_max"] <= 3
+    assert summary["rollouts_trained_twice"] == 0
+    assert summary["rollouts_trained"] == 150 * 16 * 8
+
+
+def _launch(topology: str, run_dir: Path, *overrides: str) -> dict:
+    command = [sys.executable, "-m", "echo2.launch", str(ROOT / "examples" / topology), "--run-dir", str(run_dir)]
+    for override in overrides:
+        command += ["--set", override]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = [p for p in run_dir.iterdir() if p.is_dir()]
+    return json.loads((run / "summary.json").read_text()) | {"_run": str(run)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("topology", "budget"), [("topology.toml", 3), ("sync.toml", 0)])
+def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: str, budget: int) -> None:
+    summary = _launch(
+        topology,
+        tmp_path,
+        "actors.learner.config.max_steps=30",
+        "actors.learner.config.eval_prompts=100",
+        "actors.learner.config.checkpoint_every=15",
+    )
+    assert summary["steps"] == 30
+    assert summary["staleness_budget"] == budget
+    assert summary["staleness_max"] <= budget
+    assert summary["rollouts_trained_twice"] == 0
+    run = Path(summary["_run"])
+    assert (run / "topology.resolved.json").is_file()
+    assert (run / "checkpoints" / "step_000030" / "model.safetensors").is_file()
+    steps = [json.loads(line) for line in (run / "metrics" / "learner.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if s["kind"] == "step"] == list(range(1, 31))
+    assert all(s["staleness_max"] <= budget for s in steps if s["kind"] == "step")
