@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -353,6 +354,13 @@ def run_echo2(
             _read_run(result, run_dir, json.loads(summary_path.read_text()))
             if result.ok and result.steps < steps and not max_wall_s:
                 result.ok, result.error = False, f"incomplete: {result.steps} of {steps} steps"
+        if not result.ok and run_dir is not None and (run_dir / "status.json").exists():
+            try:
+                reason = json.loads((run_dir / "status.json").read_text()).get("reason")
+            except (OSError, ValueError):
+                reason = None
+            if reason:
+                result.error += f" (launcher: {reason})"
         if not result.ok and log is not None:
             log(f"!! {case}: {result.error}; command: {' '.join(command)}")
             for line in _failure_context(launcher_log, run_dir):
@@ -526,7 +534,7 @@ def print_table(results: list[CaseResult], rel: dict[str, dict[str, float | None
     header = (
         f"{'case':<38} {'steps':>5} {'train s':>8} {'steps/s':>8} {'x(a)':>5} {'rollouts/s':>10} "
         f"{'x(a)':>5} {'acc start->end':>14} {'vs(a)':>6} {'stale':>5} {'idle':>5} "
-        f"{'train/step':>10} {'wait/step':>9} {'total s':>8}"
+        f"{'train/step':>10} {'wait/step':>9} {'total s':>8} {'cpu s':>6} {'load':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -535,6 +543,8 @@ def print_table(results: list[CaseResult], rel: dict[str, dict[str, float | None
             print(f"{r.description:<38} FAILED: {r.error}")
             continue
         ratio = rel.get(r.case, {})
+        loads = r.extra.get("loadavg_1min_before_after") or []
+        load = "->".join(f"{x:.1f}" for x in loads)
         accuracy = f"{_fmt(r.initial_accuracy, '.3f')}->{_fmt(r.final_accuracy, '.3f')}"
         points = ratio.get("final_accuracy_points")
         print(
@@ -544,7 +554,7 @@ def print_table(results: list[CaseResult], rel: dict[str, dict[str, float | None
             f"{accuracy:>14} {_fmt(points, '+6.1f'):>6} {_fmt(r.staleness_max, 'd'):>5} "
             f"{_fmt(100 * r.learner_idle_fraction, '4.0f') + '%':>5} "
             f"{_fmt(r.train_s_per_step, '10.3f'):>10} {_fmt(r.wait_s_per_step, '9.3f'):>9} "
-            f"{_fmt(r.process_wall_s, '8.1f'):>8}"
+            f"{_fmt(r.process_wall_s, '8.1f'):>8} {_fmt(r.extra.get('cpu_s'), '6.0f'):>6} {load:>9}"
         )
         if not r.ok:
             print(f"{'':<38} ^ FAILED: {r.error}")
@@ -552,8 +562,17 @@ def print_table(results: list[CaseResult], rel: dict[str, dict[str, float | None
         "\ntrain s: the training phase (first step to last, no start-up or evaluations); "
         "vs(a): final accuracy minus (a)'s, in points;\nidle / wait/step: for echo2 the "
         "learner waiting for a batch, for (a) the sampling+scoring part of each step; "
-        "total s: the whole case incl. start-up/shutdown."
+        "total s: the whole case incl. start-up/shutdown;\ncpu s: CPU seconds of the "
+        "whole case (all its processes); load: 1-minute load average before->after (other "
+        "work on the machine skews the times)."
     )
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its reaped children (a launcher counts its own)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
 # -- command line --------------------------------------------------------------------------
@@ -607,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[CaseResult] = []
     for case in cases:
         t0 = time.perf_counter()
-        log(f".. {case} ...")
+        load_before, cpu_before = os.getloadavg()[0], _cpu_seconds()
+        log(f".. {case} ... (load average {load_before:.2f} on {os.cpu_count()} cores)")
         if case == "baseline":
             try:
                 result = run_baseline(steps, max_wall_s=args.seconds, log=log)
@@ -616,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"!! baseline failed: {exc!r}")
         else:
             result = run_echo2(case, steps, max_wall_s=args.seconds, timeout_s=timeout_s, keep=args.keep, log=log)
+        result.extra["loadavg_1min_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        result.extra["cpu_s"] = _num(_cpu_seconds() - cpu_before, 1)
         results.append(result)
         log(
             f".. {case}: {'ok' if result.ok else 'FAILED'}, {result.steps} steps, "

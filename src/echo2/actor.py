@@ -197,9 +197,9 @@ class ActorContext:
     def endpoints(self) -> list[Endpoint]:
         return list(self._endpoints)
 
-    def close_endpoints(self) -> None:
+    def close_endpoints(self, linger_ms: int = 0) -> None:
         for endpoint in self._endpoints:
-            endpoint.close()
+            endpoint.close(linger_ms)
 
     async def publish_telemetry(self, topic: bytes, message: Message) -> None:
         """Best effort: telemetry is lossy by design and never on the data path."""
@@ -217,8 +217,8 @@ class ActorContext:
         line = {"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values}
         self._metrics_file.write(json.dumps(line, default=_json_default) + "\n")
 
-    def close(self) -> None:
-        self.close_endpoints()
+    def close(self, linger_ms: int = 0) -> None:
+        self.close_endpoints(linger_ms)
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None

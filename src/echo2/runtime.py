@@ -54,6 +54,7 @@ class ProcessRuntime:
         run_dir: Path | None = None,
         drain_timeout_s: float = 10.0,
         heartbeat_s: float = 1.0,
+        flush_timeout_s: float = 1.0,
         telemetry_connect: Sequence[str] = (),
         transport: Transport | None = None,
     ) -> None:
@@ -62,6 +63,8 @@ class ProcessRuntime:
         self.run_dir = run_dir
         self.drain_timeout_s = drain_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.flush_timeout_s = flush_timeout_s
+        self._failed = False
         self.stopping = asyncio.Event()
         self.stop_reason = ""
         self._addresses = addresses
@@ -95,6 +98,10 @@ class ProcessRuntime:
         self.stopping.set()
         self._wake.set()
 
+    def _linger_ms(self) -> int:
+        """A graceful exit flushes what actors queued last (bounded); an abort does not."""
+        return 0 if self._forced or self._failed else int(self.flush_timeout_s * 1000)
+
     async def wait_ready(self) -> None:
         """Returns once every actor's setup has completed."""
         await self._ready.wait()
@@ -111,7 +118,7 @@ class ProcessRuntime:
                 if self._transport is None:
                     self._transport = Transport()
                 if self._owns_transport:
-                    stack.callback(self._transport.close)
+                    stack.callback(lambda: self._transport.close(self._linger_ms()))
                 telemetry = self._open_telemetry()
                 if telemetry is not None:
                     stack.callback(telemetry.close)
@@ -126,7 +133,7 @@ class ProcessRuntime:
                         stopping=self.stopping,
                         telemetry=telemetry,
                     )
-                    stack.callback(ctx.close)
+                    stack.callback(lambda ctx=ctx: ctx.close(self._linger_ms()))
                     stack.push_async_callback(_aclose_actor, actor)
                     await actor.setup(ctx)
                     self._contexts.append(ctx)
@@ -152,6 +159,7 @@ class ProcessRuntime:
                     heartbeat = group.create_task(self._heartbeats(telemetry), name="heartbeats")
                 group.create_task(self._supervise(heartbeat), name="supervisor")
         except BaseExceptionGroup as group_exc:
+            self._failed = True
             failures = group_exc.subgroup(ActorFailed)
             if failures is not None:
                 failure = failures.exceptions[0]

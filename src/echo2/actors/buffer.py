@@ -24,7 +24,6 @@ Shutdown: on ``stopping`` it returns; a pending batch request is not answered.
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from typing import ClassVar
 

@@ -4,8 +4,8 @@ They use the same contract, sockets and runtime as the RL actors, so a topology 
 them exercises placement, address derivation, supervision and shutdown without a model.
 
 * ``CounterSource`` (``counter_source``): sends ``count`` numbered ``MetricsRecord`` on
-  channel ``numbers`` (PUSH, connects), then an end-of-stream marker, then lingers (up to
-  ``linger_s``, or until the run stops) so the queue reaches the peer. Back-pressure: blocks
+  channel ``numbers`` (PUSH, connects), then an end-of-stream marker, and returns (the
+  runtime's graceful close flushes what is still queued). Back-pressure: blocks
   at the high-water mark. Shutdown: returns at the next batch once ``stopping`` is set,
   without the end-of-stream marker (the consumer is stopping too).
 * ``CounterSink`` (``counter_sink``): PULL, binds ``numbers``; counts messages until every
@@ -23,7 +23,6 @@ them exercises placement, address derivation, supervision and shutdown without a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable
 from typing import Annotated, ClassVar, TypeVar
@@ -70,10 +69,6 @@ class CounterSource(Actor):
         """Messages to send in total."""
         batch: Annotated[int, Meta(ge=1)] = 1
         """Messages sent between two checks of ``stopping`` (and two yields to the loop)."""
-        linger_s: Annotated[float, Meta(ge=0)] = 2.0
-        """After end-of-stream, stay up to this long (or until the run stops) before
-        returning: endpoints close with LINGER 0, so a process that exits right after its
-        last send would discard what is still queued for the peer."""
 
     ports: ClassVar[dict[str, Port]] = {"out": Port("push", bind=False, channel="numbers")}
     config: Config
@@ -100,10 +95,6 @@ class CounterSource(Actor):
             self.sent += n
             await asyncio.sleep(0)  # a send that never blocks never yields: let others run
         await self._out.send_eos(self.name)
-        # A bounded flush, like ZMQ_LINGER: no signal says a PUSH queue has drained. In the
-        # usual case the consumer completes the run and ``stopping`` ends this at once.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.ctx.stopping.wait(), self.config.linger_s)
 
     def statistics(self) -> dict[str, float]:
         return {"sent": self.sent}

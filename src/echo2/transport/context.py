@@ -113,13 +113,18 @@ class Transport:
     def sub(self, **kw: Any) -> SubscriberEndpoint:
         return self.open("sub", **kw)  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Close every endpoint still open, then the context. Idempotent."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every endpoint still open, then the context. Idempotent.
+
+        ``linger_ms`` > 0 is a bounded flush: ``term()`` blocks until every queued message
+        (including those of endpoints closed earlier with a linger) is handed to the peer,
+        or the linger runs out. Use it on a graceful exit; 0 on an abort.
+        """
         if self._closed:
             return
         self._closed = True
         for endpoint in list(self._open):
-            endpoint.close()
+            endpoint.close(linger_ms)
         self._context.term()
 
     async def aclose(self) -> None:

@@ -116,12 +116,13 @@ class Endpoint:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Close the socket now (LINGER is 0: unsent messages are discarded)."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket. With ``linger_ms`` > 0, messages still queued get that long to
+        reach their peers (the context's ``term()`` waits for them); 0 discards them."""
         if self._closed:
             return
         self._closed = True
-        self._socket.close(linger=0)
+        self._socket.close(linger=linger_ms)
         if self._on_close is not None:
             self._on_close(self)
 
