@@ -145,6 +145,10 @@ class ProcessRuntime:
             if install_signal_handlers:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
+                    # The work is done; a stop request racing with the exit (the launcher
+                    # stopping everyone once the run completed) must not turn a clean exit
+                    # into death by signal.
+                    signal.signal(sig, signal.SIG_IGN)
 
     async def _run_all(self, telemetry: PublisherEndpoint | None) -> None:
         self._unfinished = len(self.actors)
