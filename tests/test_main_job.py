@@ -78,3 +78,17 @@ def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: st
     steps = [json.loads(line) for line in (run / "metrics" / "learner.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["kind"] == "step"] == list(range(1, 31))
     assert all(s["staleness_max"] <= budget for s in steps if s["kind"] == "step")
+
+
+@pytest.mark.timeout(120)
+def test_custom_pipeline_example_runs_with_its_own_reward_and_actor() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_pipeline.py"), "--steps", "6"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[printer] learner v" in done.stdout  # the user's actor received heartbeats
+    assert "done: 6 steps" in done.stdout

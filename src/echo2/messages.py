@@ -288,6 +288,49 @@ class WeightsInstalled(Message):
     time_s: float
 
 
+class WeightSubscribe(Message):
+    """Sampler -> WeightPublisher on ``weights`` (DEALER -> ROUTER), repeated as a lease:
+    "I am alive, send versions to me; my relay inbox (PULL) is at ``relay_address``"."""
+
+    sampler_id: str
+    relay_address: str
+    incarnation: int = -1
+    installed_version: int = -1
+
+
+class RelayChain(msgspec.Struct, frozen=True, array_like=True):
+    """One chain of a relay plan: stripe ``stripe``'s chunks flow publisher -> members[0]
+    -> members[1] -> ... (each forwards every verified chunk of the stripe it receives)."""
+
+    stripe: int
+    members: list[str]
+
+
+class RelayPlan(Message):
+    """WeightPublisher -> each member, before the manifest of (incarnation, version).
+
+    Chunk ``i`` belongs to stripe ``i % stripes``. A star is ``stripes = 1`` with one chain
+    of one member per sampler; a relay is one chain of every sampler; striped relay is
+    ``stripes`` chains of every sampler in rotated orders. ``addresses`` maps member ->
+    relay inbox address.
+    """
+
+    incarnation: int
+    version: int
+    stripes: int
+    chains: list[RelayChain]
+    addresses: dict[str, str] = {}
+
+
+class ChunkRequest(Message):
+    """Repair: a sampler asks for chunks it lacks (missing or corrupt) of a version."""
+
+    sampler_id: str
+    incarnation: int
+    version: int
+    indices: list[int]
+
+
 AnyMessage = Union[
     Hello,
     Welcome,
@@ -309,6 +352,9 @@ AnyMessage = Union[
     WeightManifest,
     WeightChunk,
     WeightsInstalled,
+    WeightSubscribe,
+    RelayPlan,
+    ChunkRequest,
 ]
 
 MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]

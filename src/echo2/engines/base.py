@@ -128,11 +128,13 @@ class Engine(ABC):
 _ENGINES = {
     "torch": ("echo2.engines.torch_engine", "TorchEngine"),
     "simulated": ("echo2.engines.simulated", "SimulatedEngine"),
+    "hf": ("echo2.engines.hf_engine", "HFTorchEngine"),
+    "vllm": ("echo2.engines.vllm_engine", "VLLMEngine"),
 }
 
 
 def make_engine(kind: str, **kwargs: Any) -> Engine:
-    """Build an engine by kind (``"torch"`` | ``"simulated"``), importing it lazily."""
+    """Build an engine by kind (``"torch"`` | ``"simulated"`` | ``"hf"`` | ``"vllm"``), importing it lazily."""
     try:
         module_name, class_name = _ENGINES[kind]
     except KeyError:

@@ -226,13 +226,20 @@ class ActivationController:
       give >= target * (1 + surplus_margin), once that has lasted `surplus_window_s`; one
       release per window, so the set shrinks gradually.
     Any interruption of a condition restarts its window.
+    With ``rng`` the same loop picks workers in random order instead of by rho (the paper's
+    random-activation ablation: same hysteresis, same target, no cost awareness).
     """
 
     def __init__(
-        self, shortfall_window_s: float = 30.0, surplus_window_s: float = 300.0, surplus_margin: float = 0.1
+        self,
+        shortfall_window_s: float = 30.0,
+        surplus_window_s: float = 300.0,
+        surplus_margin: float = 0.1,
+        rng: random.Random | None = None,
     ) -> None:
         if shortfall_window_s < 0 or surplus_window_s < 0 or surplus_margin < 0:
             raise ValueError("windows and surplus_margin must be >= 0")
+        self._rng = rng  # None: cost-aware (rho order); a Random: random-order ablation
         self.shortfall_window_s = shortfall_window_s
         self.surplus_window_s = surplus_window_s
         self.surplus_margin = surplus_margin
@@ -274,7 +281,7 @@ class ActivationController:
             return self._decision(known, added, [], target_mu, reason)
 
         self._shortfall_since_s = None
-        worst = max(self._active, key=lambda i: _rho_key(known[i]), default=None)
+        worst = self._release_candidate(known)
         if worst is None or mu - known[worst].mu < target_mu * (1.0 + self.surplus_margin):
             self._surplus_since_s = None
             return self._decision(known, [], [], target_mu, f"steady: {fmt}")
@@ -288,10 +295,20 @@ class ActivationController:
         reason = f"surplus {held_s:.1f} s: {fmt}, released {worst!r}"
         return self._decision(known, [], [worst], target_mu, reason)
 
+    def _release_candidate(self, known: dict[str, Worker]) -> str | None:
+        """The active worker a surplus releases: highest rho, or a random one (ablation)."""
+        if self._rng is not None:
+            return self._rng.choice(sorted(self._active)) if self._active else None
+        return max(self._active, key=lambda i: _rho_key(known[i]), default=None)
+
     def _add_cheapest(self, known: dict[str, Worker], target_mu: float) -> list[str]:
-        """Append parked usable workers, cheapest rho first, until target_mu is reached."""
+        """Append parked usable workers, cheapest rho first (random order with an rng),
+        until target_mu is reached."""
         mu = sum(known[i].mu for i in self._active)
         parked = sorted((w for i, w in known.items() if w.usable and i not in self._active), key=_rho_key)
+        if self._rng is not None:
+            parked.sort(key=lambda w: w.worker_id)
+            self._rng.shuffle(parked)
         added = list(_fill(parked, target_mu - mu).active_ids)
         self._active.extend(added)
         return added
