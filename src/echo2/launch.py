@@ -40,7 +40,13 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from echo2.errors import ConfigError
-from echo2.topology import ResolvedTopology, Topology, is_local_address, load_topology, resolve
+from echo2.topology import (
+    ResolvedTopology,
+    Topology,
+    is_local_address,
+    load_topology,
+    resolve,
+)
 
 KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
@@ -75,17 +81,23 @@ def _parser() -> _Parser:
         metavar="PATH=VALUE",
         help="override a topology value before validation, e.g. job.staleness=0 (repeatable)",
     )
-    parser.add_argument("--run-dir", type=Path, help="parent directory of the run directory")
+    parser.add_argument(
+        "--run-dir", type=Path, help="parent directory of the run directory"
+    )
     parser.add_argument("--host", help="start only this host's processes")
     parser.add_argument(
-        "--dry-run", action="store_true", help="validate and print the resolved topology; start nothing"
+        "--dry-run",
+        action="store_true",
+        help="validate and print the resolved topology; start nothing",
     )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Launch a topology; returns the exit code (see the module docstring)."""
-    logging.basicConfig(format="echo2: %(message)s", level=logging.WARNING)  # no-op if configured
+    logging.basicConfig(
+        format="echo2: %(message)s", level=logging.WARNING
+    )  # no-op if configured
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -108,7 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.dry_run:
         run_id = _run_id(topology)
-        resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
+        resolved = resolve(
+            topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id)
+        )
         _print_banner(resolved, names, {}, sys.stdout)
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
@@ -118,12 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved_path = run_dir / "topology.resolved.json"
     resolved.dump(resolved_path)
     completes = {
-        name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names
+        name: any(a.cls.completes_run for a in topology.actors_in(name))
+        for name in names
     }
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
         return asyncio.run(launcher.run())
-    except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C before the handlers were installed: nothing started yet
         return _EXIT_SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
@@ -131,7 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             write_report(run_dir)
         except Exception as exc:
-            logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
+            logging.getLogger(__name__).warning(
+                "run report not written for %s: %s", run_dir, exc
+            )
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:
@@ -144,12 +163,20 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
     elif len(topology.hosts) == 1:
         hosts = set(topology.hosts)
     else:
-        hosts = {name for name, spec in topology.hosts.items() if is_local_address(spec.address)}
+        hosts = {
+            name
+            for name, spec in topology.hosts.items()
+            if is_local_address(spec.address)
+        }
         if not hosts:
-            raise ConfigError("no host of the topology is this machine; choose one", path="--host")
+            raise ConfigError(
+                "no host of the topology is this machine; choose one", path="--host"
+            )
     names = [name for name, spec in topology.processes.items() if spec.host in hosts]
     if not names:
-        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
+        raise ConfigError(
+            f"no process is placed on host {', '.join(sorted(hosts))}", path="--host"
+        )
     return names
 
 
@@ -175,7 +202,9 @@ def _make_run_dir(topology: Topology) -> Path:
             continue
         (run_dir / "logs").mkdir()
         return run_dir
-    raise ConfigError(f"cannot make a fresh run directory under {parent}", path="run.run_dir")
+    raise ConfigError(
+        f"cannot make a fresh run directory under {parent}", path="run.run_dir"
+    )
 
 
 def _to_json(resolved: ResolvedTopology) -> str:
@@ -204,6 +233,9 @@ def _print_banner(
 # -- supervision ---------------------------------------------------------------------------
 
 
+_MAX_RESTART_BACKOFF_S = 30.0
+
+
 @dataclasses.dataclass(eq=False)
 class Child:
     """One started process group."""
@@ -215,6 +247,8 @@ class Child:
     log: TextIO
     proc: asyncio.subprocess.Process | None = None
     returncode: int | None = None
+    restarts: int = 0
+    restart_pending: bool = False
 
     @property
     def alive(self) -> bool:
@@ -264,14 +298,20 @@ class Launcher:
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
-                        self.resolved.run.deadline_s, self._events.put_nowait, ("deadline", None)
+                        self.resolved.run.deadline_s,
+                        self._events.put_nowait,
+                        ("deadline", None),
                     )
                     self._timers.append(deadline)
-                while any(child.alive for child in self.children):
+                while any(
+                    child.alive or child.restart_pending for child in self.children
+                ):
                     kind, payload = await self._events.get()
                     self._handle(kind, payload)
                 # Output ends when the pipes close; a grandchild holding one must not hang us.
-                _, pending = await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
+                _, pending = (
+                    await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
+                )
                 for task in pending:
                     task.cancel()
         finally:
@@ -280,7 +320,9 @@ class Launcher:
             for sig in handled:
                 loop.remove_signal_handler(sig)
             for child in self.children:
-                if child.alive:  # only reached if we were cancelled: never leave children behind
+                if (
+                    child.alive
+                ):  # only reached if we were cancelled: never leave children behind
                     _signal(child, signal.SIGKILL)
             for child in self.children:
                 child.log.close()
@@ -301,41 +343,63 @@ class Launcher:
                 actors=[a.name for a in spec.actors],
                 completes_run=self.completes_run.get(name, False),
                 torch_threads=spec.torch_threads,
-                log=open(self.run_dir / "logs" / f"{name}.log", "a", encoding="utf-8", buffering=1),
+                log=open(
+                    self.run_dir / "logs" / f"{name}.log",
+                    "a",
+                    encoding="utf-8",
+                    buffering=1,
+                ),
             )
             self.children.append(child)
-            try:
-                child.proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "echo2.runtime",
-                    "--topology",
-                    str(self.resolved_path),
-                    "--process",
-                    name,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                    env=self._child_env(child),
-                    start_new_session=True,
-                    preexec_fn=self._child_preexec(),
-                )
-            except OSError as exc:
-                self.say(f"cannot start {child.describe()}: {exc}", error=True)
-                self._begin_shutdown(f"process {name!r} could not start", _EXIT_FAILED)
+            if not await self._spawn(child, group, pumps):
                 break
             pids[name] = child.proc.pid
-            pumps.append(group.create_task(self._pump(child), name=f"output:{name}"))
-            group.create_task(self._wait_exit(child), name=f"wait:{name}")
-        (self.run_dir / "pids.json").write_text(
-            json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n"
+        self._write_pids()
+        _print_banner(
+            self.resolved, [c.name for c in self.children if c.proc], pids, self.out
         )
-        _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
         self.say(
             f"started {len(pids)} process(es); logs in {self.run_dir / 'logs'}; "
             "Ctrl-C stops, a second Ctrl-C kills"
         )
         return pumps
+
+    async def _spawn(
+        self, child: Child, group: asyncio.TaskGroup, pumps: list[asyncio.Task[None]]
+    ) -> bool:
+        """Start (or restart) one child; False if the OS refused."""
+        self._group, self._pumps = group, pumps
+        name = child.name
+        child.returncode = None
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "echo2.runtime",
+                "--topology",
+                str(self.resolved_path),
+                "--process",
+                name,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self._child_env(child),
+                start_new_session=True,
+                preexec_fn=self._child_preexec(),
+            )
+        except OSError as exc:
+            self.say(f"cannot start {child.describe()}: {exc}", error=True)
+            self._begin_shutdown(f"process {name!r} could not start", _EXIT_FAILED)
+            return False
+        pumps.append(group.create_task(self._pump(child), name=f"output:{name}"))
+        group.create_task(self._wait_exit(child), name=f"wait:{name}")
+        return True
+
+    def _write_pids(self) -> None:
+        pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        (self.run_dir / "pids.json").write_text(
+            json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n"
+        )
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -361,7 +425,11 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
-            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            except (
+                ValueError,
+                RuntimeError,
+                NotImplementedError,
+            ):  # not the main thread
                 continue
             handled.append(sig)
         return handled
@@ -406,16 +474,59 @@ class Launcher:
                     self.status, self.reason = code, f"{self.reason}; forced by {name}"
                 self._kill_all(f"second signal ({name})")
         elif kind == "deadline":
-            self._begin_shutdown(f"deadline of {self.resolved.run.deadline_s:g} s reached", 0)
+            self._begin_shutdown(
+                f"deadline of {self.resolved.run.deadline_s:g} s reached", 0
+            )
+        elif kind == "restart":
+            child = payload
+            if self.shutting_down:
+                child.restart_pending = False
+            else:
+                self._group.create_task(
+                    self._respawn(child), name=f"restart:{child.name}"
+                )
         elif kind == "kill":
             grace = self.resolved.run.drain_timeout_s + KILL_GRACE_S
             self._kill_all(f"still running {grace:g} s after SIGTERM")
 
+    async def _respawn(self, child: Child) -> None:
+        try:
+            if await self._spawn(child, self._group, self._pumps):
+                self._write_pids()
+                assert child.proc is not None
+                self.say(
+                    f"restarted {child.describe()} as pid {child.proc.pid} (restart {child.restarts})"
+                )
+        finally:
+            child.restart_pending = False
+
+    def _maybe_restart(self, child: Child, what: str) -> bool:
+        """Schedule a restart with back-off if the process asks for it; True if scheduled."""
+        spec = self.resolved.processes[child.name]
+        if spec.restart != "on-failure" or child.restarts >= spec.max_restarts:
+            return False
+        delay = min(spec.restart_backoff_s * 2**child.restarts, _MAX_RESTART_BACKOFF_S)
+        child.restarts += 1
+        child.restart_pending = True
+        self.say(
+            f"{child.describe()} died with {what}; restarting in {delay:g} s",
+            error=True,
+        )
+        loop = asyncio.get_running_loop()
+        self._timers.append(
+            loop.call_later(delay, self._events.put_nowait, ("restart", child))
+        )
+        return True
+
     def _on_exit(self, child: Child, code: int) -> None:
         if code != 0:
-            what = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+            what = f"exit code {code}" + (
+                f" ({signal.Signals(-code).name})" if code < 0 else ""
+            )
             if self.shutting_down:
                 self.say(f"{child.describe()} exited with {what} during shutdown")
+            elif self._maybe_restart(child, what):
+                return
             else:
                 self.say(f"{child.describe()} failed with {what}", error=True)
                 self._begin_shutdown(f"process {child.name!r} failed", _EXIT_FAILED)
@@ -434,12 +545,16 @@ class Launcher:
         self.status, self.reason = status, reason
         live = [c for c in self.children if c.alive]
         if live:
-            self.say(f"stopping ({reason}): SIGTERM to {', '.join(c.name for c in live)}")
+            self.say(
+                f"stopping ({reason}): SIGTERM to {', '.join(c.name for c in live)}"
+            )
         for child in live:
             _signal(child, signal.SIGTERM)
         loop = asyncio.get_running_loop()
         delay = self.resolved.run.drain_timeout_s + KILL_GRACE_S
-        self._timers.append(loop.call_later(delay, self._events.put_nowait, ("kill", None)))
+        self._timers.append(
+            loop.call_later(delay, self._events.put_nowait, ("kill", None))
+        )
 
     def _kill_all(self, why: str) -> None:
         live = [c for c in self.children if c.alive]
@@ -452,11 +567,21 @@ class Launcher:
         codes = {c.name: c.returncode for c in self.children}
         status = {"exit_code": self.status, "reason": self.reason, "processes": codes}
         with contextlib.suppress(OSError):
-            (self.run_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+            (self.run_dir / "status.json").write_text(
+                json.dumps(status, indent=2) + "\n"
+            )
         ipc_dir = self.resolved.ipc_dir
-        if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
+        if ipc_dir.startswith("/tmp/echo2-") and not any(
+            c.alive for c in self.children
+        ):
             shutil.rmtree(ipc_dir, ignore_errors=True)
-        outcome = "ok" if self.status == 0 else "FAILED" if self.status == _EXIT_FAILED else "interrupted"
+        outcome = (
+            "ok"
+            if self.status == 0
+            else "FAILED"
+            if self.status == _EXIT_FAILED
+            else "interrupted"
+        )
         self.say(
             f"run {self.resolved.run_id} {outcome}: {self.reason} (exit {self.status}); "
             f"run dir {self.run_dir}"

@@ -191,6 +191,8 @@ class LearnerProgress(Message):
     groups_stored: int
     groups_trained: int
     groups_dropped_after_store: int
+    delivered_by_sampler: dict[str, int] = {}
+    """Rollouts each sampler has had stored, cumulative (the scheduler's mu_i)."""
 
 
 class LeaseClosed(Message):

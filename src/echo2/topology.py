@@ -46,7 +46,7 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -108,6 +108,12 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     host: str = DEFAULT_HOST
     torch_threads: Annotated[int, Meta(ge=0)] = 0
     """Torch intra-op threads (0: a share of the host's cores by the actors' torch weight)."""
+    restart: Literal["never", "on-failure"] = "never"
+    """"on-failure": the launcher restarts the process when it dies (crash, kill -9) instead
+    of stopping the run. For samplers and rewarders, whose lost work is re-issued."""
+    max_restarts: Annotated[int, Meta(ge=0)] = 10
+    restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
+    """First restart delay; doubles per consecutive restart, capped at 30 s."""
 
 
 class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -572,6 +578,9 @@ class ResolvedProcess(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     torch_threads: int
     actors: list[ResolvedActor]
     telemetry_connect: list[str] = []
+    restart: str = "never"
+    max_restarts: int = 0
+    restart_backoff_s: float = 1.0
 
 
 class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -623,6 +632,9 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             torch_threads=threads[proc_name],
             actors=members,
             telemetry_connect=list(addresses.telemetry.get(proc_name, ())),
+            restart=spec.restart,
+            max_restarts=spec.max_restarts,
+            restart_backoff_s=spec.restart_backoff_s,
         )
     return ResolvedTopology(
         run=topology.run,

@@ -71,6 +71,7 @@ class Buffer(Actor):
             "batches_served": 0,
         }
         self.dropped: dict[str, int] = {}
+        self.delivered_by_sampler: dict[str, int] = {}  # rollouts stored, per sampler
         self._scored = ctx.open("scored")
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
@@ -131,6 +132,7 @@ class Buffer(Actor):
             self._seen_tasks.add(g.task_id)
             self._stored_leases.add(g.lease_id)
             self.counters["groups_stored"] += 1
+            self.delivered_by_sampler[g.sampler_id] = self.delivered_by_sampler.get(g.sampler_id, 0) + g.group_size
             await self._close(scored, "stored")
             if len(self._store) > self.config.max_groups:
                 self._store.popleft()
@@ -199,5 +201,6 @@ class Buffer(Actor):
                 groups_stored=self.counters["groups_stored"],
                 groups_trained=self.counters["groups_trained"],
                 groups_dropped_after_store=self.counters["groups_dropped_after_store"],
+                delivered_by_sampler=dict(self.delivered_by_sampler),
             )
         )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -74,6 +74,15 @@ class LearnerConfig(ActorConfig):
     checkpoint_every: int = 100
     log_every: int = 10
     incarnation: int = 0
+    model_dtype: str = "float32"
+    """dtype of the trained weights: "float32" | "bfloat16" (Hugging Face models only;
+    bf16 weights travel as raw uint16 bits)."""
+    device: str = "cpu"
+    """torch device of the learner's model ("cpu", "cuda", "cuda:1")."""
+    simulated_train_s: float = 0.0
+    """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
+    (the batch is still consumed and accounted: staleness, rewards). For capacity and
+    scheduling benchmarks, where a stable T_train matters and the model does not."""
 
 
 class Learner(Actor):
@@ -103,20 +112,27 @@ class Learner(Actor):
     def _build(self) -> None:
         import torch
 
-        from echo2.engines.torch_engine import TorchEngine
-        from echo2.models import default_checkpoint_dir
-        from echo2.models.tiny import TinyTransformer
+        from echo2.models.policy import load_policy
 
         self._torch = torch
-        self.model = TinyTransformer.load(self.job.model or default_checkpoint_dir())
+        # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
+        self.policy = load_policy(self.job.model, dtype=self.config.model_dtype, device=self.config.device)
+        self.model = self.policy.model
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
         self.reference = None
         if self.config.kl_beta > 0:
-            self.reference = TinyTransformer.load(self.job.model or default_checkpoint_dir()).eval()
-        self._eval_engine = TorchEngine(model=self.model)
+            self.reference = self.policy.clone().model
+        if self.policy.kind == "tiny":
+            from echo2.engines.torch_engine import TorchEngine
+
+            self._eval_engine = TorchEngine(model=self.model)
+        else:
+            from echo2.engines.hf_engine import HFTorchEngine
+
+            self._eval_engine = HFTorchEngine(policy=self.policy)
         self.model.train()
         self.task = load_job_task(self.job)
         self.heldout = self.task.heldout(self.config.eval_prompts)
@@ -130,6 +146,10 @@ class Learner(Actor):
         self.evals: list[tuple[int, float]] = []
         self.buffer_stats: dict[str, int] = {}
         self._request_id = 0
+        self._recent_train_s: deque[float] = deque(maxlen=20)
+        self._recent_step_s: deque[float] = deque(maxlen=20)
+        self.published_version = -1
+        self.published_at_s = 0.0
 
     def statistics(self) -> dict[str, float]:
         busy = self.wait_s + self.train_s
@@ -138,6 +158,12 @@ class Learner(Actor):
             "rollouts_trained": self.rollouts_trained,
             "bubble_ratio": self.wait_s / busy if busy else 0.0,
             "staleness_max": max(self.staleness, default=0),
+            # capacity model inputs (the PromptSource's scheduler reads them from heartbeats)
+            "train_s_mean": sum(self._recent_train_s) / len(self._recent_train_s) if self._recent_train_s else 0.0,
+            "step_s_mean": sum(self._recent_step_s) / len(self._recent_step_s) if self._recent_step_s else 0.0,
+            "kappa": self.kappa,
+            "published_version": self.published_version,
+            "published_at_s": self.published_at_s,
         }
 
     # -- main loop -------------------------------------------------------------------
@@ -161,6 +187,8 @@ class Learner(Actor):
             record = await asyncio.to_thread(self._train_step, batch.groups)
             self.wait_s += wait_s
             self.train_s += record["train_s"]
+            self._recent_train_s.append(record["train_s"])
+            self._recent_step_s.append(wait_s + record["train_s"])
             self.buffer_stats = batch.buffer_stats
             self.version += 1
             if self.version % self.kappa == 0:
@@ -170,7 +198,7 @@ class Learner(Actor):
                 record["accuracy"] = self.evals[-1][1]
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
                 await asyncio.to_thread(self.save_checkpoint)
-            self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), **record)
+            self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
             if self.version % self.config.log_every == 0 or "accuracy" in record:
                 last_log = self._log_progress(record, last_log)
         await self._finish(time.monotonic() - started)
@@ -193,8 +221,9 @@ class Learner(Actor):
                 return message
 
     async def _publish(self) -> None:
-        tensors = {k: v.detach().cpu().numpy() for k, v in self.model.state_dict().items()}
+        tensors = self.policy.wire_tensors()  # unaliased, bf16 as raw uint16
         specs, flat = flatten_tensors(tensors)  # a fresh buffer: never mutated after this
+        self.published_version, self.published_at_s = self.version, time.time()
         await self._snapshots.send(
             Snapshot(
                 incarnation=self.config.incarnation,
@@ -211,6 +240,8 @@ class Learner(Actor):
         from echo2.rl.grpo import grpo_loss
         from echo2.rl.logprobs import sequence_logprobs
 
+        if self.config.simulated_train_s > 0:
+            return self._simulated_step(groups)
         torch = self._torch
         started = time.perf_counter()
         prompts, responses, sampler_lp, advantages, rewards = [], [], [], [], []
@@ -235,19 +266,20 @@ class Learner(Actor):
                 sampler_lp.append(g.logprobs[lo:hi])
                 advantages.append(a)
         self.rollouts_trained += len(responses)
-        logp, mask = sequence_logprobs(self.model, prompts, responses, pad_id=0)  # (B, T)
+        pad_id = self.policy.tokenizer.pad_id
+        logp, mask = sequence_logprobs(self.model, prompts, responses, pad_id=pad_id)  # (B, T)
         behaviour = torch.zeros_like(logp)  # (B, T)
         for b, lp in enumerate(sampler_lp):
             behaviour[b, : len(lp)] = torch.from_numpy(np.array(lp, dtype=np.float32))
         logp_ref = None
         if self.reference is not None:
             with torch.no_grad():
-                logp_ref, _ = sequence_logprobs(self.reference, prompts, responses, pad_id=0)
+                logp_ref, _ = sequence_logprobs(self.reference, prompts, responses, pad_id=pad_id)
         loss, stats = grpo_loss(
             logp,
             behaviour if self.config.old_policy == "sampler" else None,
             behaviour,
-            torch.tensor(advantages, dtype=torch.float32),  # (B,)
+            torch.tensor(advantages, dtype=torch.float32, device=logp.device),  # (B,)
             mask,
             clip_eps=self.config.clip_eps,
             is_cap=self.config.is_cap,
@@ -273,6 +305,32 @@ class Learner(Actor):
             "is_weight_mean": stats.is_weight_mean,
             "is_truncated_fraction": stats.is_truncated_fraction,
             "approx_kl_sampler": stats.approx_kl_sampler,
+        }
+
+    def _simulated_step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
+        """Account for the batch like a real step, then sleep ``simulated_train_s``."""
+        started = time.perf_counter()
+        staleness, rewards, rollouts = [], [], 0
+        for scored in groups:
+            g = scored.group
+            if g.task_id in self.trained_tasks:
+                self.trained_twice += 1
+            self.trained_tasks.add(g.task_id)
+            lag = self.version - g.version
+            staleness.append(lag)
+            self.staleness[lag] += 1
+            kept = np.flatnonzero(scored.keep)
+            rewards.extend(scored.rewards[kept].astype(np.float64).tolist())
+            rollouts += len(kept)
+        self.rollouts_trained += rollouts
+        time.sleep(max(0.0, self.config.simulated_train_s - (time.perf_counter() - started)))
+        return {
+            "train_s": round(time.perf_counter() - started, 5),
+            "loss": 0.0,
+            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+            "rollouts": rollouts,
+            "staleness_max": max(staleness, default=0),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
         }
 
     def evaluate(self) -> float:
@@ -311,8 +369,11 @@ class Learner(Actor):
         torch = self._torch
         directory = self.ctx.run_dir / "checkpoints" / f"step_{self.version:06d}"
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()}, directory / "model.safetensors")
-        (directory / "config.json").write_text(self.model.config.to_json())
+        if self.policy.kind == "tiny":
+            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()}, directory / "model.safetensors")
+            (directory / "config.json").write_text(self.model.config.to_json())
+        else:
+            self.policy.save(directory)  # save_pretrained: loadable as a model directory
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
         (directory / "state.json").write_text(
             json.dumps({"step": self.version, "version": self.version, "incarnation": self.config.incarnation})
@@ -343,6 +404,7 @@ class Learner(Actor):
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
             "steps_per_s": round(self.version / wall_s, 3) if wall_s > 0 else 0.0,
             "rollouts_per_s": round(self.rollouts_trained / wall_s, 1) if wall_s > 0 else 0.0,
+            "train_s_mean": round(self.train_s / self.version, 5) if self.version else 0.0,
         }
         self.summary = summary
         self.ctx.log.info(

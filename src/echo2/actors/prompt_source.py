@@ -20,6 +20,16 @@ result can be trained any more: re-issue with ``attempt + 1``). A task is droppe
 ``max_attempts``. A sampler that disconnects simply stops being offered work; its leases
 expire.
 
+Activation (``echo2.actors.scheduler``): the PromptSource binds the ``telemetry`` channel
+and feeds the scheduler the heartbeats (sampler availability and price, the learner's
+T_train), ``WeightsInstalled`` (T_bcast) and the Buffer's per-sampler delivery counts. With
+``activation = "cost_aware"`` or ``"random"`` only the active samplers are served leases; a
+parked sampler keeps its credits (served again once it is activated) and its weights
+current, and finishes the leases it already holds (they are not revoked: one it had
+started would come back as a duplicate of its re-issue). Every change of the active set is
+recorded (``kind = "activation"``, with its reason and figures) and so, every
+``activation_record_s``, is the state with the dollars spent so far.
+
 Shutdown: on ``stopping`` it stops issuing and returns.
 """
 
@@ -35,13 +45,16 @@ from typing import ClassVar
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors.common import load_job_task, run_until_stopped
+from echo2.actors.scheduler import POLICIES, Scheduler, SchedulerDecision
 from echo2.messages import (
     ExpireLease,
+    Heartbeat,
     Hello,
     LeaseClosed,
     LearnerProgress,
     TaskLease,
     Welcome,
+    WeightsInstalled,
     WorkRequest,
 )
 from echo2.messages import PROTOCOL_VERSION
@@ -59,6 +72,38 @@ class PromptSourceConfig(ActorConfig):
     """How often deadlines are checked (granularity of expiry)."""
     max_tasks: int = 0
     """Stop after this many distinct tasks (0 = unlimited)."""
+    activation: str = "all"
+    """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
+    hysteresis) or "random" (the ablation). See ``echo2.actors.scheduler``."""
+    learner_price_per_hour: float = 0.0
+    """Dollars per hour of the learner, for cost per step."""
+    activation_interval_s: float = 1.0
+    """Seconds between scheduler decisions."""
+    activation_record_s: float = 5.0
+    """Seconds between state records (changes are recorded at once)."""
+    heartbeat_timeout_s: float = 3.0
+    """A sampler without a heartbeat for this long is unavailable."""
+    warmup_s: float = 10.0
+    """Seconds after the first sampler appears during which all are active (measuring)."""
+    mu_window_s: float = 20.0
+    """Window of the per-sampler throughput measurement, seconds."""
+    shortfall_window_s: float = 5.0
+    """A shortfall must last this long before samplers are added."""
+    surplus_window_s: float = 30.0
+    """A surplus must last this long before one sampler is released."""
+    surplus_margin: float = 0.1
+    gamma: float = 1.1
+    """Headroom of the target over mu_min."""
+    t_train_s: float = 0.0
+    """Declared seconds per learner update; 0 = measured from the learner's heartbeats."""
+    t_bcast_s: float = -1.0
+    """Declared broadcast seconds; < 0 = measured (publisher stat, else publication to install)."""
+    activation_seed: int = 0
+    """Seed of the random policy."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in POLICIES:
+            raise ValueError(f"activation must be one of {', '.join(POLICIES)}, got {self.activation!r}")
 
 
 @dataclass
@@ -78,6 +123,7 @@ class PromptSource(Actor):
         "tasks": Port("router", bind=True),
         "completions": Port("pull", bind=True),
         "lease_control": Port("push", bind=False),
+        "telemetry": Port("sub", bind=True, channel="telemetry", on_full="drop"),
     }
     config: PromptSourceConfig
 
@@ -105,12 +151,32 @@ class PromptSource(Actor):
                 "closed_dropped",
                 "attempts_exhausted",
                 "refused_peers",
+                "leases_of_restarted_samplers",
             ),
             0,
         )
         limit = self.config.max_inflight_groups
         self._max_inflight = limit or job.groups_per_step * min(job.staleness + 1, 2)
         self._wakeup = asyncio.Event()
+        cfg = self.config
+        self.scheduler = Scheduler(
+            policy=cfg.activation,
+            rollouts_per_step=job.groups_per_step * job.group_size,
+            staleness=job.staleness,
+            learner_price_per_hour=cfg.learner_price_per_hour,
+            gamma=cfg.gamma,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            warmup_s=cfg.warmup_s,
+            mu_window_s=cfg.mu_window_s,
+            shortfall_window_s=cfg.shortfall_window_s,
+            surplus_window_s=cfg.surplus_window_s,
+            surplus_margin=cfg.surplus_margin,
+            t_train_s=cfg.t_train_s,
+            t_bcast_s=cfg.t_bcast_s,
+            seed=cfg.activation_seed,
+        )
+        self._decision: SchedulerDecision | None = None
+        self.dollars_spent = 0.0
 
     async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
         await super().setup(ctx)
@@ -118,9 +184,16 @@ class PromptSource(Actor):
         self._tasks_ep = ctx.open("tasks")
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
+        self._telemetry = ctx.open("telemetry", subscribe=[b"hb|", b"installed|"])
 
     def statistics(self) -> dict[str, float]:
-        return {**self.counters, "open_leases": len(self._leases), "inflight": self._inflight()}
+        return {
+            **self.counters,
+            "open_leases": len(self._leases),
+            "inflight": self._inflight(),
+            "active_samplers": len(self._decision.active) if self._decision else 0,
+            "dollars_spent": self.dollars_spent,
+        }
 
     def _inflight(self) -> int:
         return len(self._leases) + self._stored - self._trained - self._dropped_after_store
@@ -134,7 +207,56 @@ class PromptSource(Actor):
             self._serve_completions(),
             self._expire_leases(),
             self._issue(),
+            self._serve_telemetry(),
+            self._schedule(),
         )
+        self.ctx.record("activation_summary", **self._cost_values())
+
+    # -- activation ------------------------------------------------------------------
+
+    def _cost_values(self) -> dict[str, object]:
+        steps = self._next_version
+        return {
+            "unix_s": round(time.time(), 3),
+            "steps": steps,
+            "dollars_total": round(self.dollars_spent, 6),
+            "dollars_per_step": round(self.dollars_spent / steps, 6) if steps else None,
+        }
+
+    async def _serve_telemetry(self) -> None:
+        while True:
+            for message in await self._telemetry.recv_many():
+                if isinstance(message, Heartbeat):
+                    self.scheduler.observe_heartbeat(time.monotonic(), message.stats)
+                elif isinstance(message, WeightsInstalled):
+                    self.scheduler.observe_install(message.sampler_id, message.version, message.time_s)
+
+    async def _schedule(self) -> None:
+        interval = self.config.activation_interval_s
+        last_s = time.monotonic()
+        last_record_s = -float("inf")
+        while True:
+            await asyncio.sleep(interval)  # a timer: decisions are periodic
+            now = time.monotonic()
+            decision = self.scheduler.decide(now)
+            if self._decision is not None and self._next_version > 0:
+                self.dollars_spent += self._decision.cost_per_hour * (now - last_s) / 3600.0
+            last_s = now
+            self._decision = decision
+            if decision.changed or now - last_record_s >= self.config.activation_record_s:
+                last_record_s = now
+                self.ctx.record("activation", changed=decision.changed, **decision.record(), **self._cost_values())
+                if decision.changed:
+                    self.ctx.log.info(
+                        "activation (%s): %d active, +%s -%s: %s",
+                        decision.policy,
+                        len(decision.active),
+                        list(decision.activated),
+                        list(decision.parked),
+                        decision.reason,
+                    )
+            if decision.activated:
+                self._wakeup.set()
 
     async def _serve_samplers(self) -> None:
         while True:
@@ -154,8 +276,17 @@ class PromptSource(Actor):
             self.counters["refused_peers"] += 1
             self.ctx.log.warning("refused sampler %s: %s", hello.peer_id, reason)
         else:
-            # A (re)connecting sampler starts with no credit: anything it held is gone.
+            # A (re)connecting sampler starts with no credit, and whatever it held before a
+            # restart is gone: expire its leases now instead of waiting for their deadlines.
             self._credits[peer] = 0
+            now = time.monotonic()
+            held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
+            for lease in held:
+                lease.deadline = now
+                heapq.heappush(self._deadlines, (now, lease.lease_id))
+            if held:
+                self.counters["leases_of_restarted_samplers"] += len(held)
+                self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
         await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=accepted, reason=reason))
 
     async def _serve_completions(self) -> None:
@@ -169,6 +300,7 @@ class PromptSource(Actor):
                     self._dropped_after_store = max(
                         self._dropped_after_store, message.groups_dropped_after_store
                     )
+                    self.scheduler.observe_delivered(message.delivered_by_sampler)
             self._wakeup.set()
 
     def _on_closed(self, closed: LeaseClosed) -> None:
@@ -236,6 +368,8 @@ class PromptSource(Actor):
             await self._wakeup.wait()
             self._wakeup.clear()
             for peer, credit in list(self._credits.items()):
+                if not self.scheduler.is_active(peer.decode(errors="replace")):
+                    continue  # parked: its credit is kept, not served
                 while credit > 0 and self._inflight() < self._max_inflight:
                     item = self._next_prompt()
                     if item is None:

@@ -53,7 +53,8 @@ INSTALLED_TOPIC = b"installed|"
 
 class SamplerConfig(ActorConfig):
     engine: str = "torch"
-    """Engine kind: "torch" (built-in model) or "simulated" (no compute, for scale tests)."""
+    """Engine kind: "torch" (built-in or Hugging Face model, pure torch), "hf" (same, HF
+    only), "vllm" (extra echo2[vllm]) or "simulated" (no compute, for scale tests)."""
     engine_kwargs: dict[str, Any] = {}
     credits: int = 8
     """Leases requested up front; one more is requested per finished group."""
@@ -75,16 +76,22 @@ class Sampler(Actor):
 
     @classmethod
     def torch_weight(cls, config: SamplerConfig) -> float:  # type: ignore[override]
-        return 1.0 if config.engine == "torch" else 0.0
+        return 1.0 if config.engine in ("torch", "hf", "vllm") else 0.0
 
     async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
         await super().setup(ctx)
         kwargs = dict(self.config.engine_kwargs)
-        if self.config.engine == "torch":
+        kind = self.config.engine
+        if kind == "torch" and self.job.model:
+            from echo2.models.policy import is_hf_spec
+
+            if is_hf_spec(self.job.model):
+                kind = "hf"  # the torch engine for Hugging Face models
+        if kind in ("torch", "hf", "vllm"):
             kwargs.setdefault("seed", _seed_from_name(self.job.seed, self.name))
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
-        self.engine: Engine = await asyncio.to_thread(make_engine, self.config.engine, **kwargs)
+        self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
         self._tasks = ctx.open("tasks", identity=self.name.encode())
         self._rollouts = ctx.open("rollouts")
         self._weights = ctx.open("weights", subscribe=[WEIGHTS_TOPIC])

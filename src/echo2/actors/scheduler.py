@@ -308,9 +308,6 @@ class Scheduler:
         else:
             workers = [Worker(i, mus[i], self._samplers[i].price_per_hour, i in available) for i in mus]
             capped = target if math.isfinite(target) else sum(mus[i] for i in available) * 2 + 1.0
-            if not self.controller.active and before:
-                # Leaving warm-up: seed the controller with nothing, so it plans greedily.
-                pass
             decision = self.controller.update(now_s, workers, capped)
             self._active = decision.active
             reason = decision.reason if math.isfinite(target) else f"mu_min unreachable: {decision.reason}"

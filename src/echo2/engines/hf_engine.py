@@ -39,6 +39,13 @@ from echo2.models.policy import Policy, load_policy
 _WIRE_FLOATS = {"float32", "float16", "uint16"}
 
 
+def _cache_kwarg(model: Any) -> str:
+    """``cache`` (transformers >= 5.2x) or ``past_key_values`` (older): the KV-cache argument."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def hf_decode_batch(
     model: Any,
@@ -72,8 +79,9 @@ def hf_decode_batch(
     ids = torch.from_numpy(ids_np).to(device)  # (P, W)
     attn = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()  # (P, W)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (P, W)
+    cache_arg = _cache_kwarg(model)
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True)
-    cache = out.past_key_values
+    cache = getattr(out, cache_arg)
     logits = out.logits[:, -1]  # (P, V)
     if n > 1:
         cache.batch_repeat_interleave(n)
@@ -111,9 +119,9 @@ def hf_decode_batch(
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (A, W + t + 1)
         out = model(
             input_ids=step_ids, attention_mask=attn, position_ids=next_pos[:, None],
-            past_key_values=cache, use_cache=True,
+            use_cache=True, **{cache_arg: cache},
         )
-        cache = out.past_key_values
+        cache = getattr(out, cache_arg)
         logits = out.logits[:, -1]  # (A, V)
         next_pos = next_pos + 1
     return (

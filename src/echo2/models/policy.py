@@ -121,6 +121,13 @@ class Policy:
         return Policy(self.kind, self.spec, model, self.tokenizer, self.dtype, self.directory, dict(self.extra))
 
 
+def is_hf_spec(spec: str) -> bool:
+    """True if ``spec`` names a Hugging Face model (``"smollm2"`` or an HF directory); cheap."""
+    if not spec:
+        return False
+    return spec.lower() == SMOLLM2 or hf_models.is_hf_dir(Path(spec).expanduser())
+
+
 def resolve_model_dir(spec: str) -> tuple[str, Path]:
     """(kind, directory) for a model spec; converts SmolLM2 on first use."""
     if not spec:

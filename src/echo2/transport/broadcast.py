@@ -126,6 +126,21 @@ class SnapshotAssembler:
     def missing(self) -> list[int]:
         return np.flatnonzero(~self._have).tolist()
 
+    def held(self) -> list[int]:
+        """Indices of chunks stored and verified so far."""
+        return np.flatnonzero(self._have).tolist()
+
+    def chunk(self, index: int) -> WeightChunk:
+        """A held chunk as a read-only view into the buffer (stored chunks are never
+        written again, so the view can be handed to ZeroMQ)."""
+        if not self._have[index]:
+            raise KeyError(index)
+        m = self.manifest
+        start = index * m.chunk_bytes
+        view = self.buffer[start : min(start + m.chunk_bytes, m.total_bytes)].view()
+        view.flags.writeable = False
+        return WeightChunk(incarnation=m.incarnation, version=m.version, index=index, data=view)
+
     def add(self, chunk: WeightChunk) -> bool:
         """Store a chunk if it is new and verifies; returns True if it was stored."""
         m = self.manifest

@@ -1,0 +1,845 @@
+"""Weight dissemination: verified chunks, peer-assisted pipelined relay, repair.
+
+Two components on top of the pure chunk layer (``echo2.transport.broadcast``):
+
+* ``WeightBroadcaster`` (publisher side, owns the ``weights`` ROUTER). Samplers lease
+  membership with ``WeightSubscribe`` (repeated every ``announce_s``, naming the address of
+  their relay inbox). Per version it computes a ``RelayPlan`` from the live members
+  (``relay_plan``: star, relay chain or striped chains), sends each member the plan and
+  then the ``WeightManifest`` over the ROUTER (ordered, never dropped: ROUTER_MANDATORY
+  counts a gone peer as unroutable), and streams each chunk to the seed of its stripe
+  through a PUSH connected to the seed's inbox. It answers ``ChunkRequest`` (repair) with
+  chunks over the ROUTER, sends the latest manifest to a member that joins late, and
+  measures T_bcast from the members' ``WeightsInstalled`` (sent on the same reliable
+  channel, not on lossy telemetry).
+* ``WeightReceiver`` (sampler side). It binds a PULL inbox, assembles a version into memory
+  allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
+  worker thread: BLAKE2b releases the GIL), forwards every verified chunk of the stripes
+  it relays to its successor the moment it lands (a PUSH per successor), and hands a
+  complete, verified version to ``on_complete``. Gap detection: when a version makes no
+  progress for ``gap_timeout_s`` the missing chunks are requested from the publisher
+  (dropped, corrupt, or a dead predecessor in the chain: all end the same way). Repaired
+  chunks are forwarded too, so a chain heals behind a dead relay.
+
+Nothing is lost silently: PUSH and ROUTER sends block at the high-water mark instead of
+dropping, a send that cannot complete within ``send_timeout_s`` (dead peer) is counted and
+that peer skipped for the version, and every gap ends in a repair.
+
+Link emulation (``LinkSpec``): the publisher's uplink, and each receiver's uplink and
+downlink, pace every byte on the weight path (chunks streamed, forwarded and repaired);
+``latency_ms`` delays each chunk a receiver takes in, pipelined.
+
+Buffers: chunks are views into the snapshot (publisher) or into received ZeroMQ frames
+(relays); neither is ever written, so a buffer ZeroMQ still holds is never mutated.
+Deviation: repair is served by the publisher only, not by peers (the publisher holds
+every chunk of the latest version; peers would spread the repair load).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from echo2.errors import ClosedError, TransportError
+from echo2.messages import (
+    ChunkRequest,
+    RelayChain,
+    RelayPlan,
+    Snapshot,
+    WeightChunk,
+    WeightManifest,
+    WeightsInstalled,
+    WeightSubscribe,
+)
+from echo2.transport.broadcast import (
+    DEFAULT_CHUNK_BYTES,
+    ManifestRejected,
+    SnapshotAssembler,
+    iter_chunks,
+    make_manifest,
+)
+from echo2.transport.context import Transport
+from echo2.transport.endpoint import DealerEndpoint, PullEndpoint, PushEndpoint, RouterEndpoint, SocketOptions
+from echo2.transport.link import DelayLine, LinkSpec, TokenBucket
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]
+MODES = ("star", "relay", "striped")
+RELAY_HWM = 8
+"""Chunks queued per relay hop: enough to keep a link busy, few enough that a dead peer
+strands little and the sender is paced by its receiver."""
+GAMMA = 1.1
+MAX_REPAIR_INDICES = 1024
+_IPC_PATH_MAX = 100
+
+
+def _max_message_bytes(chunk_bytes: int) -> int:
+    return max(64 * 1024 * 1024, 2 * chunk_bytes + 65536)
+
+
+# -- plans -------------------------------------------------------------------------------
+
+
+def relay_plan(members: Sequence[str], mode: str, stripes: int = 1) -> tuple[int, list[RelayChain]]:
+    """``(stripes, chains)`` for one version. Pure.
+
+    star: one single-member chain per member (the publisher sends everything to all);
+    relay: one chain through every member; striped: ``stripes`` chains through every
+    member, chain ``s`` rotated by ``s * N / stripes`` so that each member receives every
+    stripe and seeds differ.
+    """
+    names = list(members)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not names:
+        return 1, []
+    if mode == "star":
+        return 1, [RelayChain(0, [m]) for m in names]
+    if mode == "relay" or stripes <= 1:
+        return 1, [RelayChain(0, names)]
+    n = len(names)
+    return stripes, [RelayChain(s, names[s * n // stripes :] + names[: s * n // stripes]) for s in range(stripes)]
+
+
+def bcast_threshold(active: int, gamma: float = GAMMA) -> int:
+    """Installs needed for T_bcast: a fraction 1/gamma of the active samplers."""
+    return max(1, math.ceil(active / gamma - 1e-9)) if active > 0 else 0
+
+
+# -- addresses ---------------------------------------------------------------------------
+
+
+def relay_bind_url(control_url: str, name: str) -> str:
+    """Where a receiver binds its inbox, by the medium that reaches its publisher."""
+    token = f"{os.getpid()}-{os.urandom(3).hex()}"
+    scheme = control_url.split("://", 1)[0]
+    if scheme == "inproc":
+        return f"inproc://echo2-relay/{name}-{token}"
+    if scheme == "ipc":
+        directory = os.path.dirname(control_url[len("ipc://") :]) or "/tmp"
+        leaf = f"relay-{name}-{token}"
+        if len("ipc://") + len(directory) + 1 + len(leaf) >= _IPC_PATH_MAX:
+            leaf = "relay-" + hashlib.blake2b(leaf.encode(), digest_size=8).hexdigest()
+        return f"ipc://{directory}/{leaf}"
+    return "tcp://*:0"
+
+
+def announce_url(bound: str, control_url: str, relay_host: str = "") -> str:
+    """The address peers use to reach an inbox bound at ``bound``."""
+    if not bound.startswith("tcp://"):
+        return bound
+    port = bound.rsplit(":", 1)[1]
+    host = relay_host or _local_ip_towards(control_url)
+    return f"tcp://{host}:{port}"
+
+
+def _local_ip_towards(control_url: str) -> str:
+    """This host's address on the route to the publisher (no packet is sent)."""
+    hostport = control_url.split("://", 1)[1]
+    host = hostport.rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "0.0.0.0", "localhost") or host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+# -- receiver ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Progress:
+    last_s: float
+    requested_s: float = 0.0
+
+
+class WeightReceiver:
+    """Sampler side: assemble, verify, relay, repair; ``on_complete`` gets a full version.
+
+    ``control`` is the sampler's DEALER on channel ``weights`` (routing id = ``name``).
+    ``open()`` binds the relay inbox (call it in setup); ``run()`` is the loop.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        control: DealerEndpoint,
+        *,
+        name: str,
+        link: LinkSpec = LinkSpec(),
+        relay_host: str = "",
+        gap_timeout_s: float = 2.0,
+        announce_s: float = 1.0,
+        send_timeout_s: float = 5.0,
+        chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES,
+        on_complete: Callable[[SnapshotAssembler], None] | None = None,
+        max_early_chunks: int = 4096,
+    ) -> None:
+        self.name = name
+        self._transport = transport
+        self._control = control
+        self.link = link
+        self._relay_host = relay_host
+        self.gap_timeout_s = gap_timeout_s
+        self.announce_s = announce_s
+        self.send_timeout_s = send_timeout_s
+        self._on_complete = on_complete
+        self._max_early = max_early_chunks
+        self._uplink = link.uplink(chunk_bytes_hint)
+        self._downlink = link.downlink(chunk_bytes_hint)
+        self._delay: DelayLine[WeightChunk] | None = (
+            DelayLine(link.latency_ms / 1000.0) if link.latency_ms > 0 else None
+        )
+        self._inbox: PullEndpoint | None = None
+        self.relay_address = ""
+        self._assembler: SnapshotAssembler | None = None
+        self._progress = _Progress(time.monotonic())
+        self._complete_key: Key | None = None
+        self._installed_key: Key | None = None
+        self._plan: RelayPlan | None = None
+        self._successors: dict[int, str] = {}
+        self._dead_successors: set[str] = set()
+        self._early: dict[Key, list[WeightChunk]] = {}
+        self._forward: asyncio.Queue[tuple[Key, str, WeightChunk]] = asyncio.Queue()
+        self._pushes: dict[str, PushEndpoint] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"verify-{name}")
+        self.counters = dict.fromkeys(
+            (
+                "manifests_rejected",
+                "manifests_stale",
+                "corrupt_chunks",
+                "chunks_received",
+                "chunks_duplicate",
+                "chunks_stale",
+                "chunks_forwarded",
+                "forward_failures",
+                "repair_requests",
+                "repair_chunks_requested",
+                "versions_complete",
+            ),
+            0,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def open(self) -> str:
+        """Bind the relay inbox; returns the address announced to the publisher."""
+        control_url = self._control.endpoints[0] if self._control.endpoints else "inproc://x"
+        self._inbox = self._transport.pull(
+            name=f"{self.name}.relay",
+            bind=[relay_bind_url(control_url, self.name)],
+            options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)),
+        )
+        self.relay_address = announce_url(self._inbox.endpoints[0], control_url, self._relay_host)
+        return self.relay_address
+
+    def close(self) -> None:
+        for push in self._pushes.values():
+            push.close()
+        self._pushes.clear()
+        if self._inbox is not None:
+            self._inbox.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self) -> None:
+        if self._inbox is None:
+            self.open()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._control_loop())
+            group.create_task(self._relay_loop())
+            group.create_task(self._announce_loop())
+            group.create_task(self._watchdog_loop())
+            group.create_task(self._forward_loop())
+            if self._delay is not None:
+                group.create_task(self._delayed_loop())
+
+    # -- queries ---------------------------------------------------------------------
+
+    @property
+    def assembling(self) -> Key | None:
+        return self._assembler.key if self._assembler is not None else None
+
+    @property
+    def complete_key(self) -> Key | None:
+        return self._complete_key
+
+    def newest(self) -> Key | None:
+        keys = [k for k in (self._complete_key, self.assembling, self._installed_key) if k is not None]
+        return max(keys) if keys else None
+
+    def statistics(self) -> dict[str, float]:
+        return {
+            **self.counters,
+            "uplink_bytes": self._uplink.bytes,
+            "downlink_bytes": self._downlink.bytes,
+        }
+
+    async def report_installed(self, key: Key, install_s: float) -> None:
+        """Tell the publisher this version is installed (T_bcast counts it)."""
+        self._installed_key = key if self._installed_key is None else max(key, self._installed_key)
+        await self._control.send(
+            WeightsInstalled(
+                sampler_id=self.name, incarnation=key[0], version=key[1], install_s=install_s, time_s=time.time()
+            )
+        )
+
+    # -- inputs ----------------------------------------------------------------------
+
+    async def _control_loop(self) -> None:
+        while True:
+            for message in await self._control.recv_many():
+                if isinstance(message, RelayPlan):
+                    self._on_plan(message)
+                elif isinstance(message, WeightManifest):
+                    await self._on_manifest(message)
+                elif isinstance(message, WeightChunk):
+                    await self._take(message)
+
+    async def _relay_loop(self) -> None:
+        assert self._inbox is not None
+        while True:
+            for message in await self._inbox.recv_many(16):
+                if isinstance(message, WeightChunk):
+                    await self._take(message)
+
+    async def _take(self, chunk: WeightChunk) -> None:
+        """Downlink pacing, then (after the emulated latency) processing."""
+        await self._downlink.acquire(chunk.data.nbytes)
+        if self._delay is not None:
+            self._delay.put_nowait(chunk)
+        else:
+            await self._on_chunk(chunk)
+
+    async def _delayed_loop(self) -> None:
+        assert self._delay is not None
+        while True:
+            await self._on_chunk(await self._delay.get())
+
+    def _on_plan(self, plan: RelayPlan) -> None:
+        key = (plan.incarnation, plan.version)
+        newest = self.newest()
+        if newest is not None and key < newest:
+            return
+        self._plan = plan
+        if self.assembling == key:
+            self._apply_plan()
+
+    def _apply_plan(self) -> None:
+        """Set successors for the assembling version and forward what is already held."""
+        plan, assembler = self._plan, self._assembler
+        self._successors = {}
+        self._dead_successors = set()
+        if plan is None or assembler is None or (plan.incarnation, plan.version) != assembler.key:
+            return
+        for chain in plan.chains:
+            if self.name in chain.members:
+                at = chain.members.index(self.name)
+                if at + 1 < len(chain.members):
+                    successor = plan.addresses.get(chain.members[at + 1], "")
+                    if successor and successor != self.relay_address:
+                        self._successors[chain.stripe] = successor
+        # Chunks that landed before the plan still go down the chain.
+        # (Their bytes are in the assembler's buffer, which is never written again.)
+        for index in assembler.held():
+            self._queue_forward(assembler, index, None)
+
+    def _in_plan(self, key: Key) -> bool:
+        plan = self._plan
+        return (
+            plan is not None
+            and (plan.incarnation, plan.version) == key
+            and any(self.name in chain.members for chain in plan.chains)
+        )
+
+    async def _on_manifest(self, manifest: WeightManifest) -> None:
+        key = (manifest.incarnation, manifest.version)
+        newest = self.newest()
+        if newest is not None and key <= newest:
+            self.counters["manifests_stale"] += 1
+            return
+        try:
+            assembler = SnapshotAssembler(manifest)
+        except ManifestRejected as exc:
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
+            return
+        self._assembler = assembler
+        self._progress = _Progress(time.monotonic())
+        self._apply_plan()
+        early = self._early.pop(key, [])
+        self._early = {k: v for k, v in self._early.items() if k > key}
+        for chunk in early:
+            await self._on_chunk(chunk)
+        if self._assembler is assembler and not self._in_plan(key):
+            # A late joiner, or a member the plan left out: no stream is coming; repair it all.
+            await self._request_missing(assembler)
+
+    async def _on_chunk(self, chunk: WeightChunk) -> None:
+        key = (chunk.incarnation, chunk.version)
+        assembler = self._assembler
+        if assembler is None or key != assembler.key:
+            newest = self.newest()
+            if (newest is None or key > newest) and sum(map(len, self._early.values())) < self._max_early:
+                self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
+            else:
+                self.counters["chunks_stale"] += 1
+            return
+        before = assembler.corrupt_chunks
+        loop = asyncio.get_running_loop()
+        stored = await loop.run_in_executor(self._pool, assembler.add, chunk)
+        self.counters["corrupt_chunks"] += assembler.corrupt_chunks - before
+        if assembler is not self._assembler:
+            return  # superseded while verifying
+        if not stored:
+            if assembler.corrupt_chunks == before:
+                self.counters["chunks_duplicate"] += 1
+            return
+        self.counters["chunks_received"] += 1
+        self._progress.last_s = time.monotonic()
+        self._queue_forward(assembler, chunk.index, chunk)
+        if assembler.complete:
+            self._assembler = None
+            self._complete_key = assembler.key
+            self.counters["versions_complete"] += 1
+            if self._on_complete is not None:
+                self._on_complete(assembler)
+
+    def _queue_forward(self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None) -> None:
+        plan = self._plan
+        if not self._successors or plan is None:
+            return
+        successor = self._successors.get(index % max(1, plan.stripes))
+        if successor is None:
+            return
+        if chunk is None:
+            chunk = assembler.chunk(index)
+        self._forward.put_nowait((assembler.key, successor, chunk))
+
+    # -- outputs ---------------------------------------------------------------------
+
+    def _push(self, address: str) -> PushEndpoint:
+        push = self._pushes.get(address)
+        if push is None or push.closed:
+            push = self._transport.push(
+                name=f"{self.name}.relay->{address}",
+                connect=[address],
+                options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)),
+            )
+            self._pushes[address] = push
+        return push
+
+    async def _forward_loop(self) -> None:
+        while True:
+            key, address, chunk = await self._forward.get()
+            newest = self.newest()
+            if (newest is not None and key < newest) or address in self._dead_successors:
+                continue
+            await self._uplink.acquire(chunk.data.nbytes)
+            try:
+                sent = await asyncio.wait_for(self._push(address).send(chunk), self.send_timeout_s)
+            except (TimeoutError, ClosedError, TransportError):
+                sent = False
+            if sent:
+                self.counters["chunks_forwarded"] += 1
+            else:
+                # The successor is gone or stuck: skip it for this version; it (or the
+                # next in the chain) repairs from the publisher.
+                self.counters["forward_failures"] += 1
+                self._dead_successors.add(address)
+                stale = self._pushes.pop(address, None)
+                if stale is not None:
+                    stale.close()
+
+    async def _announce_loop(self) -> None:
+        while True:
+            installed = self._installed_key or (-1, -1)
+            await self._control.send(
+                WeightSubscribe(
+                    sampler_id=self.name,
+                    relay_address=self.relay_address,
+                    incarnation=installed[0],
+                    installed_version=installed[1],
+                )
+            )
+            await asyncio.sleep(self.announce_s)
+
+    async def _watchdog_loop(self) -> None:
+        period = max(0.01, self.gap_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            assembler = self._assembler
+            if assembler is None:
+                continue
+            now = time.monotonic()
+            if now - max(self._progress.last_s, self._progress.requested_s) >= self.gap_timeout_s:
+                await self._request_missing(assembler)
+
+    async def _request_missing(self, assembler: SnapshotAssembler) -> None:
+        missing = assembler.missing()[:MAX_REPAIR_INDICES]
+        if not missing:
+            return
+        self._progress.requested_s = time.monotonic()
+        self.counters["repair_requests"] += 1
+        self.counters["repair_chunks_requested"] += len(missing)
+        incarnation, version = assembler.key
+        await self._control.send(
+            ChunkRequest(sampler_id=self.name, incarnation=incarnation, version=version, indices=missing)
+        )
+
+
+# -- broadcaster -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Member:
+    peer: bytes
+    address: str
+    last_seen_s: float
+    manifest_sent_s: float = 0.0
+    installed: Key = (-1, -1)
+
+
+@dataclasses.dataclass
+class _Version:
+    snapshot: Snapshot
+    manifest: WeightManifest
+    published_s: float = 0.0
+    active: frozenset[str] = frozenset()
+    installed: set[str] = dataclasses.field(default_factory=set)
+    t_bcast_s: float | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.manifest.incarnation, self.manifest.version)
+
+
+Fault = Callable[[str, WeightChunk], WeightChunk | None]
+"""Test hook on the stream: (destination, chunk) -> chunk to send (maybe altered) or None."""
+
+
+class WeightBroadcaster:
+    """Publisher side: membership, relay plans, streaming to seeds, repair, T_bcast."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        control: RouterEndpoint,
+        *,
+        name: str = "weight_publisher",
+        mode: str = "relay",
+        stripes: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        link: LinkSpec = LinkSpec(),
+        member_ttl_s: float = 5.0,
+        send_timeout_s: float = 5.0,
+        gamma: float = GAMMA,
+        fault: Fault | None = None,
+        on_bcast: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.name = name
+        self.mode = mode
+        self.stripes = stripes
+        self.chunk_bytes = chunk_bytes
+        self.link = link
+        self.member_ttl_s = member_ttl_s
+        self.send_timeout_s = send_timeout_s
+        self.gamma = gamma
+        self._transport = transport
+        self._control = control
+        self._fault = fault
+        self._on_bcast = on_bcast
+        self._uplink = link.uplink(chunk_bytes)
+        self._members: dict[str, _Member] = {}
+        self._latest: _Version | None = None
+        self._pending: _Version | None = None
+        self._new = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
+        self._pushes: dict[str, PushEndpoint] = {}
+        self.t_bcast: dict[Key, float] = {}
+        self.last_t_bcast_s = float("nan")
+        self.counters = dict.fromkeys(
+            (
+                "published",
+                "superseded",
+                "chunks_sent",
+                "stream_bytes",
+                "send_failures",
+                "repair_requests",
+                "repair_chunks_sent",
+                "late_joiner_manifests",
+                "unroutable",
+                "members_expired",
+                "installs",
+            ),
+            0,
+        )
+
+    # -- API -------------------------------------------------------------------------
+
+    def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
+        """Make ``snapshot`` the latest version and start streaming it (the previous
+        stream, if still running, stops: only the newest version matters)."""
+        if manifest is None:
+            manifest = make_manifest(snapshot, self.chunk_bytes)
+        self._pending = _Version(snapshot, manifest)
+        self._new.set()
+
+    def members(self) -> list[str]:
+        now = time.monotonic()
+        for name in [n for n, m in self._members.items() if now - m.last_seen_s > self.member_ttl_s]:
+            del self._members[name]
+            self.counters["members_expired"] += 1
+        return list(self._members)
+
+    async def wait_members(self, count: int) -> list[str]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self._members) >= count)
+        return self.members()
+
+    async def wait_bcast(self, key: Key) -> float:
+        async with self._changed:
+            await self._changed.wait_for(lambda: key in self.t_bcast)
+        return self.t_bcast[key]
+
+    async def wait_installed(self, key: Key, count: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count
+            )
+
+    @property
+    def latest_key(self) -> Key | None:
+        return self._latest.key if self._latest is not None else None
+
+    def statistics(self) -> dict[str, float]:
+        return {
+            **self.counters,
+            "members": len(self._members),
+            "t_bcast_s": self.last_t_bcast_s,
+            "uplink_bytes": self._uplink.bytes,
+        }
+
+    def close(self) -> None:
+        for push in self._pushes.values():
+            push.close()
+        self._pushes.clear()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._control_loop())
+            group.create_task(self._repair_loop())
+            group.create_task(self._stream_driver(group))
+
+    # -- control ---------------------------------------------------------------------
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _control_loop(self) -> None:
+        while True:
+            for peer, message in await self._control.recv_many():
+                if isinstance(message, WeightSubscribe):
+                    await self._on_subscribe(peer, message)
+                elif isinstance(message, ChunkRequest):
+                    self.counters["repair_requests"] += 1
+                    self._repairs.put_nowait((peer, message))
+                elif isinstance(message, WeightsInstalled):
+                    self._on_installed(message)
+            await self._notify()
+
+    async def _on_subscribe(self, peer: bytes, message: WeightSubscribe) -> None:
+        now = time.monotonic()
+        member = self._members.get(message.sampler_id)
+        if member is None or member.address != message.relay_address or member.peer != peer:
+            member = _Member(peer, message.relay_address, now)
+            self._members[message.sampler_id] = member
+            fresh = True
+        else:
+            fresh = False
+        member.last_seen_s = now
+        member.installed = max(member.installed, (message.incarnation, message.installed_version))
+        latest = self._latest
+        if latest is None or member.installed >= latest.key:
+            return
+        in_stream = message.sampler_id in latest.active
+        overdue = now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
+        if (fresh and not in_stream) or overdue:
+            # Late joiner (or a member that lost track): the latest version at once.
+            member.manifest_sent_s = now
+            self.counters["late_joiner_manifests"] += 1
+            await self._send(peer, latest.manifest)
+
+    def _on_installed(self, message: WeightsInstalled) -> None:
+        key = (message.incarnation, message.version)
+        self.counters["installs"] += 1
+        member = self._members.get(message.sampler_id)
+        if member is not None:
+            member.installed = max(member.installed, key)
+        version = self._latest
+        if version is None or version.key != key:
+            return
+        version.installed.add(message.sampler_id)
+        done = len(version.installed & version.active)
+        need = bcast_threshold(len(version.active), self.gamma)
+        if version.t_bcast_s is None and version.active and done >= need:
+            version.t_bcast_s = time.monotonic() - version.published_s
+            self.t_bcast[key] = version.t_bcast_s
+            self.last_t_bcast_s = version.t_bcast_s
+            if self._on_bcast is not None:
+                self._on_bcast(
+                    {
+                        "incarnation": key[0],
+                        "version": key[1],
+                        "t_bcast_s": version.t_bcast_s,
+                        "installed": done,
+                        "active": len(version.active),
+                        "mode": self.mode,
+                        "bytes": version.manifest.total_bytes,
+                    }
+                )
+
+    async def _send(self, peer: bytes, message: Any) -> bool:
+        try:
+            ok = await asyncio.wait_for(self._control.send(peer, message), self.send_timeout_s)
+        except TimeoutError:
+            ok = False
+        if not ok:
+            self.counters["unroutable"] += 1
+        return ok
+
+    # -- streaming -------------------------------------------------------------------
+
+    async def _stream_driver(self, group: asyncio.TaskGroup) -> None:
+        current: asyncio.Task[None] | None = None
+        while True:
+            await self._new.wait()
+            self._new.clear()
+            version, self._pending = self._pending, None
+            if version is None:
+                continue
+            if current is not None and not current.done():
+                current.cancel()
+                self.counters["superseded"] += 1
+                with contextlib.suppress(asyncio.CancelledError):
+                    await current
+            current = group.create_task(self._stream(version))
+
+    async def _stream(self, version: _Version) -> None:
+        names = sorted(self.members())
+        stripes, chains = relay_plan(names, self.mode, self.stripes)
+        addresses = {n: self._members[n].address for n in names}
+        plan = RelayPlan(
+            incarnation=version.key[0],
+            version=version.key[1],
+            stripes=stripes,
+            chains=chains,
+            addresses=addresses,
+        )
+        version.active = frozenset(names)
+        version.published_s = time.monotonic()
+        self._latest = version
+        self.counters["published"] += 1
+        for name in names:
+            member = self._members[name]
+            member.manifest_sent_s = version.published_s
+            if await self._send(member.peer, plan):
+                await self._send(member.peer, version.manifest)
+        seeds: dict[int, list[str]] = {}
+        for chain in chains:
+            seeds.setdefault(chain.stripe, []).append(chain.members[0])
+        dead: set[str] = set()
+        for chunk in iter_chunks(version.snapshot, version.manifest):
+            for seed in seeds.get(chunk.index % stripes, ()):
+                if seed in dead:
+                    continue
+                out: WeightChunk | None = chunk
+                if self._fault is not None:
+                    out = self._fault(seed, chunk)
+                    if out is None:
+                        continue
+                if not await self._push_chunk(addresses[seed], out):
+                    dead.add(seed)
+
+    async def _push_chunk(self, address: str, chunk: WeightChunk) -> bool:
+        await self._uplink.acquire(chunk.data.nbytes)
+        push = self._pushes.get(address)
+        if push is None or push.closed:
+            push = self._transport.push(
+                name=f"{self.name}.seed->{address}",
+                connect=[address],
+                options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(self.chunk_bytes)),
+            )
+            self._pushes[address] = push
+        try:
+            sent = await asyncio.wait_for(push.send(chunk), self.send_timeout_s)
+        except (TimeoutError, ClosedError, TransportError):
+            sent = False
+        if sent:
+            self.counters["chunks_sent"] += 1
+            self.counters["stream_bytes"] += chunk.data.nbytes
+            return True
+        self.counters["send_failures"] += 1
+        self._pushes.pop(address, None)
+        push.close()
+        return False
+
+    # -- repair ----------------------------------------------------------------------
+
+    async def _repair_loop(self) -> None:
+        while True:
+            peer, request = await self._repairs.get()
+            version = self._latest
+            if version is None:
+                continue
+            if (request.incarnation, request.version) != version.key:
+                if (request.incarnation, request.version) < version.key:
+                    await self._send(peer, version.manifest)  # move on to the latest
+                continue
+            data = version.snapshot.data
+            n = len(version.manifest.chunk_digests)
+            size = version.manifest.chunk_bytes
+            for index in request.indices:
+                if not 0 <= index < n:
+                    continue
+                if self._latest is not version:
+                    break
+                chunk = WeightChunk(
+                    incarnation=version.key[0],
+                    version=version.key[1],
+                    index=index,
+                    data=data[index * size : (index + 1) * size],
+                )
+                await self._uplink.acquire(chunk.data.nbytes)
+                if not await self._send(peer, chunk):
+                    break
+                self.counters["repair_chunks_sent"] += 1
+
+
+__all__ = [
+    "GAMMA",
+    "MODES",
+    "WeightBroadcaster",
+    "WeightReceiver",
+    "announce_url",
+    "bcast_threshold",
+    "relay_bind_url",
+    "relay_plan",
+]

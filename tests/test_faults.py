@@ -1,0 +1,83 @@
+"""Faults a real fleet has: a sampler process killed with SIGKILL, twice, mid-run.
+
+The launcher restarts it (``restart = "on-failure"``), the restarted sampler catches up on
+weights, its old leases are expired and re-issued, and the run finishes its steps with no
+rollout trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+    """Poll a file-backed condition (the run's own outputs) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def _learner_steps(run: Path) -> int:
+    path = run / "metrics" / "learner.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if '"kind": "step"' in line]
+    return max(steps, default=0)
+
+
+def _sampler_pid(run: Path, name: str) -> int | None:
+    try:
+        return json.loads((run / "pids.json").read_text())["processes"].get(name)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.timeout(240)
+def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path: Path) -> None:
+    steps = 70
+    command = [
+        sys.executable, "-m", "echo2.launch", str(ROOT / "examples" / "topology.toml"),
+        "--run-dir", str(tmp_path),
+        "--set", f"actors.learner.config.max_steps={steps}",
+        "--set", "actors.learner.config.eval_prompts=100",
+        "--set", "actors.learner.config.eval_every=0",
+        "--set", "actors.prompt_source.config.lease_ttl_s=5.0",
+        "--set", 'processes.sampler-{i}.restart="on-failure"',
+        "--set", "processes.sampler-{i}.restart_backoff_s=0.2",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run = _wait_for(lambda: next((p for p in tmp_path.iterdir() if p.is_dir()), None), 30, "the run dir")
+        killed = []
+        for target_step in (10, 30):
+            _wait_for(lambda: _learner_steps(run) >= target_step, 90, f"learner step {target_step}")
+            pid = _sampler_pid(run, "sampler-0")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            _wait_for(lambda: _sampler_pid(run, "sampler-0") not in (None, *killed), 30, "the restart")
+        output, _ = launcher.communicate(timeout=150)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, output[-4000:]
+    assert output.count("restarted process 'sampler-0'") == 2, output[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps
+    assert summary["rollouts_trained_twice"] == 0
+    assert summary["staleness_max"] <= 3

@@ -1,0 +1,241 @@
+"""WeightBroadcaster + WeightReceivers in one process: relay, repair, late joiners, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from echo2.messages import Snapshot, WeightChunk
+from echo2.transport import Transport
+from echo2.transport.broadcast import SnapshotAssembler, digest, flatten_tensors, make_manifest
+from echo2.transport.link import LinkSpec
+from echo2.transport.weights import WeightBroadcaster, WeightReceiver, relay_plan
+
+CHUNK = 64 * 1024
+
+
+def snapshot(version: int, nbytes: int = 40 * CHUNK + 123, incarnation: int = 1) -> Snapshot:
+    rng = np.random.default_rng(version)
+    specs, flat = flatten_tensors(
+        {"w": rng.integers(0, 255, nbytes - 3, dtype=np.uint8), "b": np.arange(3, dtype=np.uint8)}
+    )
+    return Snapshot(incarnation=incarnation, version=version, tensors=specs, data=flat, created_at_s=0.0)
+
+
+class Harness:
+    def __init__(self, transport: Transport, broadcaster: WeightBroadcaster, url: str, group: asyncio.TaskGroup):
+        self.transport = transport
+        self.broadcaster = broadcaster
+        self.url = url
+        self.group = group
+        self.receivers: dict[str, WeightReceiver] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.complete: dict[str, list[SnapshotAssembler]] = {}
+
+    def add(self, name: str, link: LinkSpec = LinkSpec(), gap_timeout_s: float = 0.3) -> WeightReceiver:
+        control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
+        self.complete[name] = []
+
+        def done(assembler: SnapshotAssembler) -> None:
+            self.complete[name].append(assembler)
+            asyncio.get_running_loop().create_task(receiver.report_installed(assembler.key, 0.0))
+
+        receiver = WeightReceiver(
+            self.transport,
+            control,
+            name=name,
+            link=link,
+            gap_timeout_s=gap_timeout_s,
+            announce_s=0.1,
+            send_timeout_s=1.0,
+            chunk_bytes_hint=CHUNK,
+            on_complete=done,
+        )
+        receiver.open()
+        self.receivers[name] = receiver
+        self.tasks[name] = self.group.create_task(receiver.run())
+        return receiver
+
+    def kill(self, name: str) -> None:
+        self.tasks[name].cancel()
+        self.receivers[name].close()
+
+    async def wait_complete(self, names: list[str], version: int, timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not all(any(a.key[1] == version for a in self.complete[n]) for n in names):
+                await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def harness(
+    mode: str = "relay", stripes: int = 2, link: LinkSpec = LinkSpec(), fault=None
+) -> AsyncIterator[Harness]:
+    transport = Transport()
+    router = transport.router(name="pub.weights", bind=["inproc://test-weights"])
+    broadcaster = WeightBroadcaster(
+        transport,
+        router,
+        mode=mode,
+        stripes=stripes,
+        chunk_bytes=CHUNK,
+        link=link,
+        member_ttl_s=1.0,
+        send_timeout_s=1.0,
+        fault=fault,
+    )
+    try:
+        async with asyncio.TaskGroup() as group:
+            main = group.create_task(broadcaster.run())
+            h = Harness(transport, broadcaster, "inproc://test-weights", group)
+            try:
+                yield h
+            finally:
+                main.cancel()
+                for task in h.tasks.values():
+                    task.cancel()
+    finally:
+        broadcaster.close()
+        for receiver in h.receivers.values():
+            receiver.close()
+        transport.close()
+
+
+def equal_to(assembler: SnapshotAssembler, snap: Snapshot) -> bool:
+    return digest(assembler.buffer) == digest(snap.data) and assembler.complete
+
+
+def test_relay_plans_cover_every_member_with_every_stripe() -> None:
+    names = [f"s{i}" for i in range(5)]
+    assert relay_plan(names, "star") == (1, [c for c in relay_plan(names, "star")[1]])
+    stripes, chains = relay_plan(names, "striped", 3)
+    assert stripes == 3 and len(chains) == 3
+    assert all(sorted(c.members) == names for c in chains)
+    assert len({c.members[0] for c in chains}) == 3  # distinct seeds
+    assert relay_plan(names, "relay")[1][0].members == names
+    assert relay_plan([], "relay") == (1, [])
+
+
+@pytest.mark.parametrize(("mode", "n"), [("relay", 3), ("striped", 4), ("star", 2)])
+async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int) -> None:
+    async with harness(mode=mode) as h:
+        names = [f"s{i}" for i in range(n)]
+        for name in names:
+            h.add(name)
+        await h.broadcaster.wait_members(n)
+        snap = snapshot(1)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(names, 1)
+        for name in names:
+            assert equal_to(h.complete[name][-1], snap)
+        async with asyncio.timeout(5):
+            t = await h.broadcaster.wait_bcast((1, 1))
+        assert t > 0
+        stats = {name: h.receivers[name].statistics() for name in names}
+        if mode != "star":
+            assert sum(s["chunks_forwarded"] for s in stats.values()) > 0
+            assert h.broadcaster.counters["chunks_sent"] == len(make_manifest(snap, CHUNK).chunk_digests)
+        assert all(s["repair_requests"] == 0 for s in stats.values()), stats
+
+
+async def test_dropped_and_corrupted_chunks_are_repaired_and_counted() -> None:
+    rng = random.Random(7)
+    corrupted: list[int] = []
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        if not corrupted and chunk.index == 5:
+            corrupted.append(chunk.index)
+            bad = np.array(chunk.data)
+            bad[0] ^= 0xFF
+            return WeightChunk(incarnation=chunk.incarnation, version=chunk.version, index=chunk.index, data=bad)
+        return None if rng.random() < 0.10 else chunk
+
+    async with harness(mode="relay", fault=fault) as h:
+        names = ["a", "b", "c"]
+        for name in names:
+            h.add(name, gap_timeout_s=0.2)
+        await h.broadcaster.wait_members(3)
+        for version in (1, 2):
+            corrupted.clear()
+            snap = snapshot(version)
+            h.broadcaster.publish_nowait(snap)
+            await h.wait_complete(names, version)
+            for name in names:
+                assert equal_to(h.complete[name][-1], snap)
+        stats = [h.receivers[n].statistics() for n in names]
+        assert sum(s["corrupt_chunks"] for s in stats) == 2  # one per version, counted
+        assert sum(s["repair_requests"] for s in stats) >= 2
+        assert h.broadcaster.counters["repair_chunks_sent"] > 0
+
+
+async def test_forged_or_older_manifests_are_rejected() -> None:
+    async with harness() as h:
+        receiver = h.add("a")
+        await h.broadcaster.wait_members(1)
+        h.broadcaster.publish_nowait(snapshot(3))
+        await h.wait_complete(["a"], 3)
+        forged = make_manifest(snapshot(4))
+        forged = type(forged)(**{**{f: getattr(forged, f) for f in forged.__struct_fields__}, "digest": b"\0" * 32})
+        await receiver._on_manifest(forged)
+        assert receiver.counters["manifests_rejected"] == 1
+        assert receiver.assembling is None
+        await receiver._on_manifest(make_manifest(snapshot(2)))
+        assert receiver.counters["manifests_stale"] == 1
+        assert receiver.assembling is None and receiver.complete_key == (1, 3)
+
+
+async def test_late_joiner_installs_latest_without_a_new_publication() -> None:
+    async with harness() as h:
+        h.add("a")
+        await h.broadcaster.wait_members(1)
+        snap = snapshot(5)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(["a"], 5)
+        published = h.broadcaster.counters["published"]
+        h.add("late")
+        await h.wait_complete(["late"], 5, timeout_s=5)
+        assert equal_to(h.complete["late"][-1], snap)
+        assert h.broadcaster.counters["published"] == published
+        assert h.broadcaster.counters["late_joiner_manifests"] >= 1
+
+
+async def test_successors_of_a_relay_killed_mid_transfer_complete() -> None:
+    # 8 Mbit/s uplinks: ~2.6 MB takes ~2.6 s per hop, so the kill lands mid-transfer.
+    slow = LinkSpec(uplink_mbps=8.0)
+    async with harness(mode="relay", link=LinkSpec(uplink_mbps=32.0)) as h:
+        names = ["a", "b", "c", "d"]
+        for name in names:
+            h.add(name, link=slow, gap_timeout_s=0.3)
+        await h.broadcaster.wait_members(4)
+        snap = snapshot(1)
+        h.broadcaster.publish_nowait(snap)
+        async with asyncio.timeout(5):
+            while h.receivers["b"].counters["chunks_received"] < 3:
+                await asyncio.sleep(0.01)
+        assert not h.complete["b"]
+        h.kill("b")
+        started = time.monotonic()
+        await h.wait_complete(["a", "c", "d"], 1, timeout_s=15)
+        for name in ("a", "c", "d"):
+            assert equal_to(h.complete[name][-1], snap)
+        assert h.receivers["c"].counters["repair_requests"] >= 1
+        assert time.monotonic() - started < 15
+
+
+async def test_a_newer_version_supersedes_one_still_streaming() -> None:
+    async with harness(mode="relay", link=LinkSpec(uplink_mbps=20.0)) as h:
+        h.add("a")
+        h.add("b")
+        await h.broadcaster.wait_members(2)
+        h.broadcaster.publish_nowait(snapshot(1))
+        await asyncio.sleep(0.2)
+        snap = snapshot(2)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(["a", "b"], 2, timeout_s=10)
+        assert all(equal_to(h.complete[n][-1], snap) for n in ("a", "b"))
+        assert h.broadcaster.counters["superseded"] == 1
