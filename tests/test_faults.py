@@ -81,3 +81,10 @@ def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path
     assert summary["steps"] == steps
     assert summary["rollouts_trained_twice"] == 0
     assert summary["staleness_max"] <= 3
+    audit = subprocess.run(
+        [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(audit.stdout)
+    assert audit.returncode == 0, audit.stdout
+    assert report["lost"] == [] and report["duplicated"] == [] and report["late_accepted"] == []
+    assert report["trained"] == steps * 16

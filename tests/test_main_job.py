@@ -78,6 +78,11 @@ def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: st
     steps = [json.loads(line) for line in (run / "metrics" / "learner.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["kind"] == "step"] == list(range(1, 31))
     assert all(s["staleness_max"] <= budget for s in steps if s["kind"] == "step")
+    from echo2.audit import audit
+
+    report = audit([run])
+    assert report.ok, report
+    assert report.trained == 30 * 16
 
 
 @pytest.mark.timeout(120)

@@ -165,6 +165,7 @@ class ActorContext:
         self._declared = declared
         self._telemetry = telemetry
         self._metrics_file: TextIO | None = None
+        self._ledger_file: TextIO | None = None
         self._endpoints: list[Endpoint] = []
 
     def has_peers(self, port: str) -> bool:
@@ -217,8 +218,28 @@ class ActorContext:
         line = {"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values}
         self._metrics_file.write(json.dumps(line, default=_json_default) + "\n")
 
+    def ledger(self, event: str, **fields: Any) -> None:
+        """Append one accounting event to ``run_dir/ledger/<actor>.jsonl``.
+
+        The ledger is what ``python -m echo2.audit`` reconciles: every task leased, every
+        group accepted, rejected, trained or dropped, every version published and
+        installed. Line-buffered, so a process killed with SIGKILL loses at most the line
+        being written.
+        """
+        if self.run_dir is None:
+            return
+        if self._ledger_file is None:
+            directory = self.run_dir / "ledger"
+            directory.mkdir(parents=True, exist_ok=True)
+            self._ledger_file = open(directory / f"{self.actor_name}.jsonl", "a", buffering=1)
+        line = {"t": round(time.time(), 4), "ev": event, **fields}
+        self._ledger_file.write(json.dumps(line, default=_json_default) + "\n")
+
     def close(self, linger_ms: int = 0) -> None:
         self.close_endpoints(linger_ms)
+        if self._ledger_file is not None:
+            self._ledger_file.close()
+            self._ledger_file = None
         if self._metrics_file is not None:
             self._metrics_file.close()
             self._metrics_file = None

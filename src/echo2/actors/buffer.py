@@ -77,6 +77,12 @@ class Buffer(Actor):
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
 
+    async def aclose(self) -> None:
+        # Groups still stored when the run ends were never trained: say so, so the audit
+        # can tell them from lost ones.
+        for g in getattr(self, "_store", ()):
+            self.ctx.ledger("unconsumed", task=g.group.task_id, version=g.group.version)
+
     def statistics(self) -> dict[str, float]:
         return {
             **self.counters,
@@ -100,6 +106,10 @@ class Buffer(Actor):
 
     async def _close(self, group: ScoredGroup, outcome: str) -> None:
         g = group.group
+        if outcome == "stored":
+            self.ctx.ledger("accepted", task=g.task_id, lease=g.lease_id, version=g.version, sampler=g.sampler_id)
+        else:
+            self.ctx.ledger("rejected", task=g.task_id, lease=g.lease_id, version=g.version, reason=outcome)
         await self._completions.send(
             LeaseClosed(lease_id=g.lease_id, task_id=g.task_id, attempt=g.attempt, outcome=outcome)
         )
@@ -135,7 +145,8 @@ class Buffer(Actor):
             self.delivered_by_sampler[g.sampler_id] = self.delivered_by_sampler.get(g.sampler_id, 0) + g.group_size
             await self._close(scored, "stored")
             if len(self._store) > self.config.max_groups:
-                self._store.popleft()
+                evicted = self._store.popleft()
+                self.ctx.ledger("dropped", task=evicted.group.task_id, reason="overflow")
                 self._drop("overflow")
                 self.counters["groups_dropped_after_store"] += 1
 
@@ -149,6 +160,7 @@ class Buffer(Actor):
                 else:
                     self._expired_leases.add(message.lease_id)
                     outcome = "expired"
+                    self.ctx.ledger("lease_expired", task=message.task_id, lease=message.lease_id)
                 await self._completions.send(
                     LeaseClosed(
                         lease_id=message.lease_id,
@@ -171,6 +183,9 @@ class Buffer(Actor):
     def _evict_stale(self) -> int:
         kept = deque(g for g in self._store if self._admissible(g.group.version))
         evicted = len(self._store) - len(kept)
+        for g in self._store:
+            if not self._admissible(g.group.version):
+                self.ctx.ledger("dropped", task=g.group.task_id, reason="stale", version=g.group.version)
         if evicted:
             self._store = kept
             self._drop("stale", evicted)
@@ -188,6 +203,8 @@ class Buffer(Actor):
             return
         self._pending = None
         groups = [self._store.popleft() for _ in range(request.num_groups)]
+        for g in groups:
+            self.ctx.ledger("handed", task=g.group.task_id, version=g.group.version, request_version=request.version)
         self.counters["groups_trained"] += len(groups)
         self.counters["batches_served"] += 1
         stats = {**self.counters, **{f"dropped_{k}": v for k, v in self.dropped.items()}}

@@ -252,6 +252,13 @@ class Learner(Actor):
             if task_id in self.trained_tasks:
                 self.trained_twice += 1
             self.trained_tasks.add(task_id)
+            self.ctx.ledger(
+                "trained",
+                task=task_id,
+                version=g.version,
+                learner_version=self.version,
+                incarnation=self.config.incarnation,
+            )
             lag = self.version - g.version
             staleness.append(lag)
             self.staleness[lag] += 1

@@ -311,6 +311,7 @@ class PromptSource(Actor):
         if lease is None:
             return  # already settled (e.g. a repeated answer to a repeated ExpireLease)
         del self._leases[closed.lease_id]
+        self.ctx.ledger("lease_closed", task=closed.task_id, lease=closed.lease_id, outcome=closed.outcome)
         if closed.outcome == "stored":
             # Counted here, not from LearnerProgress, so that a stored group never leaves
             # the in-flight window before it is trained or dropped.
@@ -322,6 +323,7 @@ class PromptSource(Actor):
                 self._retry.append((lease.prompt, lease.attempt + 1))
             else:
                 self.counters["attempts_exhausted"] += 1
+                self.ctx.ledger("task_abandoned", task=lease.prompt.task_id, attempts=lease.attempt + 1)
         elif closed.outcome == "duplicate":
             self.counters["closed_duplicate"] += 1
         else:
@@ -401,6 +403,13 @@ class PromptSource(Actor):
                         credit = 0
                         break
                     self._leases[lease.lease_id] = lease
+                    self.ctx.ledger(
+                        "leased",
+                        task=prompt.task_id,
+                        lease=lease.lease_id,
+                        attempt=attempt,
+                        sampler=peer.decode(errors="replace"),
+                    )
                     heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
                     self.counters["leases_issued"] += 1
                     if attempt:

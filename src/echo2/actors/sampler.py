@@ -276,6 +276,7 @@ class Sampler(Actor):
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
             group = _to_group(lease, self.name, incarnation, version, ids, completions, elapsed)
             await self._rollouts.send(group)
+            self.ctx.ledger("submitted", task=lease.task_id, lease=lease.lease_id, version=version)
             self.counters["groups_sent"] += 1
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])

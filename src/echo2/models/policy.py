@@ -92,8 +92,9 @@ class Policy:
         return self.model.hf if isinstance(self.model, hf_models.LogitsLM) else self.model
 
     def wire_tensors(self) -> dict[str, np.ndarray]:
-        """Fresh numpy copies of every (unaliased) weight in wire form."""
-        return {k: np.array(hf_models.to_wire(v), copy=True) for k, v in hf_models.unique_state(self.core).items()}
+        """Every (unaliased) weight in wire form: CPU numpy *views* where possible (copy
+        before the model trains again, as ``flatten_tensors`` does)."""
+        return {k: hf_models.to_wire(v) for k, v in hf_models.unique_state(self.core).items()}
 
     def wire_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return {
