@@ -58,6 +58,10 @@ class PortAddresses:
 
     bind: tuple[str, ...] = ()
     connect: tuple[str, ...] = ()
+    curve_server: bool = False
+    """Bound for peers on other hosts with CURVE on: a CURVE server."""
+    curve_servers: tuple[str, ...] = ()
+    """Per connect URL: the host whose CURVE public key to pin ("" = plain)."""
 
 
 class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -153,6 +157,7 @@ class ActorContext:
         stopping: asyncio.Event,
         telemetry: Any = None,
         started_at: float | None = None,
+        curve: Any = None,
     ) -> None:
         self.actor_name = actor_name
         self.process = process
@@ -164,6 +169,7 @@ class ActorContext:
         self._ports = ports
         self._declared = declared
         self._telemetry = telemetry
+        self._curve = curve  # echo2.runtime.CurveSettings, or None
         self._metrics_file: TextIO | None = None
         self._ledger_file: TextIO | None = None
         self._endpoints: list[Endpoint] = []
@@ -182,6 +188,8 @@ class ActorContext:
         options = overrides.pop(
             "options", SocketOptions(hwm=spec.hwm, max_message_bytes=spec.max_message_bytes)
         )
+        if self._curve is not None and "curve" not in overrides:
+            overrides["curve"] = self._curve.for_port(addresses)
         endpoint = self.transport.open(
             spec.socket,
             name=f"{self.actor_name}.{port}",

@@ -35,6 +35,7 @@ from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
 from echo2.messages import Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
+from echo2.transport.auth import CurveSettings
 
 log = logging.getLogger("echo2.runtime")
 
@@ -56,7 +57,9 @@ class ProcessRuntime:
         heartbeat_s: float = 1.0,
         flush_timeout_s: float = 1.0,
         telemetry_connect: Sequence[str] = (),
+        telemetry_curve_servers: Sequence[str] = (),
         transport: Transport | None = None,
+        curve: CurveSettings | None = None,
     ) -> None:
         self.actors = list(actors)
         self.process = process
@@ -69,6 +72,8 @@ class ProcessRuntime:
         self.stop_reason = ""
         self._addresses = addresses
         self._telemetry_connect = tuple(telemetry_connect)
+        self._telemetry_curve_servers = tuple(telemetry_curve_servers)
+        self._curve = curve
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -119,6 +124,11 @@ class ProcessRuntime:
                     self._transport = Transport()
                 if self._owns_transport:
                     stack.callback(lambda: self._transport.close(self._linger_ms()))
+                if self._curve is not None and any(
+                    a.curve_server for ports in self._addresses.values() for a in ports.values()
+                ):
+                    # Before any CURVE server binds: without a ZAP handler it would admit anyone.
+                    self._transport.enable_curve(self._curve.allowed)
                 telemetry = self._open_telemetry()
                 if telemetry is not None:
                     stack.callback(telemetry.close)
@@ -132,6 +142,7 @@ class ProcessRuntime:
                         run_dir=self.run_dir,
                         stopping=self.stopping,
                         telemetry=telemetry,
+                        curve=self._curve,
                     )
                     stack.callback(lambda ctx=ctx: ctx.close(self._linger_ms()))
                     stack.push_async_callback(_aclose_actor, actor)
@@ -216,6 +227,9 @@ class ProcessRuntime:
             connect=self._telemetry_connect,
             options=SocketOptions(hwm=100),
             on_full="drop",
+            curve=None
+            if self._curve is None
+            else self._curve.for_urls(False, self._telemetry_connect, self._telemetry_curve_servers),
         )
 
     async def _heartbeats(self, telemetry: PublisherEndpoint) -> None:
@@ -309,10 +323,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(resolved.run_dir)
 
     async def amain() -> None:
+        curve = None
+        if resolved.security.curve:
+            curve = CurveSettings.load(
+                resolved.security.keys_dir, spec.host, resolved.hosts, resolved.security.allowed
+            )
         runtime = ProcessRuntime(
             actors,
             addresses,
             process=args.process,
+            curve=curve,
+            telemetry_curve_servers=spec.telemetry_curve_servers,
             run_dir=run_dir,
             drain_timeout_s=resolved.run.drain_timeout_s,
             heartbeat_s=resolved.run.heartbeat_s,

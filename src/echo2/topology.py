@@ -128,7 +128,23 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """The kind's ``Config``."""
 
 
-_TABLES = ("run", "job", "hosts", "processes", "actors")
+class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """``[security]``: CURVE encryption and authentication on links that leave a host.
+
+    Every socket bound for peers on other hosts becomes a CURVE server with its host's key
+    pair (``keys_dir/<host>.key_secret``) and admits only the public keys in ``allowed``;
+    every connection to such a socket is a CURVE client with its own host's key pair, and
+    pins the server's public key (``keys_dir/<server host>.key``). Make keys with
+    ``python -m echo2.keys``.
+    """
+
+    curve: bool = False
+    keys_dir: str = "keys"
+    allowed: list[str] = []
+    """Public key files or directories of them; default ``<keys_dir>/allowed``."""
+
+
+_TABLES = ("run", "job", "hosts", "processes", "actors", "security")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +170,7 @@ class Topology:
     hosts: Mapping[str, HostSpec]
     processes: Mapping[str, ProcessSpec]
     actors: Mapping[str, PlacedActor]
+    security: SecuritySpec = SecuritySpec()
 
     def actors_in(self, process: str) -> list[PlacedActor]:
         return [a for a in self.actors.values() if a.process == process]
@@ -295,7 +312,10 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     unused = sorted(set(declared) - set(processes) - {p for p in declared if "{i}" in p})
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))
-    topology = Topology(run=run, job=job, hosts=hosts, processes=processes, actors=actors)
+    security = _convert(_table(raw, "security"), SecuritySpec, "security")
+    topology = Topology(
+        run=run, job=job, hosts=hosts, processes=processes, actors=actors, security=security
+    )
     check_channels(placements(topology))
     return topology
 
@@ -375,6 +395,8 @@ class Addresses:
     tcp_ports: dict[tuple[str, str], int]
     """(actor, port) -> tcp port, for binders that other hosts connect to."""
     ipc_dir: str
+    curve_hosts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Connect URL -> host of the CURVE server behind it (CURVE on only)."""
 
 
 def placements(topology: Topology) -> list[Placement]:
@@ -415,7 +437,7 @@ def ipc_dir_for(run_id: str) -> str:
 
 
 def derive_addresses(
-    places: Sequence[Placement], hosts: Mapping[str, HostSpec], run_id: str
+    places: Sequence[Placement], hosts: Mapping[str, HostSpec], run_id: str, *, curve: bool = False
 ) -> Addresses:
     """Give every port of every placed actor its bind and connect URLs. Pure.
 
@@ -482,9 +504,22 @@ def derive_addresses(
                         _add(entry["connect"], url(owner, port_name, peer, bind=False))
             for peer in extra:
                 _add(telemetry[peer.process], url(owner, port_name, peer, bind=False))
+    # With CURVE on, a binder reachable from other hosts is a CURVE server on all its
+    # endpoints, so every connection to it (same host too) must be a CURVE client.
+    owner_of_url = {}
+    for channel, owners in binders.items():
+        for owner, port_name in owners:
+            if curve and (owner.actor, port_name) in tcp_ports:
+                for peer in [*connectors.get(channel, []), *telemetry_peers]:
+                    owner_of_url[url(owner, port_name, peer, bind=False)] = owner.host
     ports = {
         actor: {
-            port: PortAddresses(bind=tuple(urls["bind"]), connect=tuple(urls["connect"]))
+            port: PortAddresses(
+                bind=tuple(urls["bind"]),
+                connect=tuple(urls["connect"]),
+                curve_server=curve and (actor, port) in tcp_ports,
+                curve_servers=tuple(owner_of_url.get(u, "") for u in urls["connect"]),
+            )
             for port, urls in by_port.items()
         }
         for actor, by_port in result.items()
@@ -494,6 +529,7 @@ def derive_addresses(
         telemetry={proc: tuple(urls) for proc, urls in telemetry.items()},
         tcp_ports=tcp_ports,
         ipc_dir=ipc_dir,
+        curve_hosts=owner_of_url,
     )
 
 
@@ -561,6 +597,9 @@ def torch_threads(topology: Topology) -> dict[str, int]:
 class ResolvedPort(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bind: list[str] = []
     connect: list[str] = []
+    curve_server: bool = False
+    curve_servers: list[str] = []
+    """Per connect URL: the host whose CURVE server key to pin, or "" for plain."""
 
 
 class ResolvedActor(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -578,6 +617,7 @@ class ResolvedProcess(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     torch_threads: int
     actors: list[ResolvedActor]
     telemetry_connect: list[str] = []
+    telemetry_curve_servers: list[str] = []
     restart: str = "never"
     max_restarts: int = 0
     restart_backoff_s: float = 1.0
@@ -593,6 +633,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     hosts: dict[str, HostSpec]
     processes: dict[str, ResolvedProcess]
     ipc_dir: str = ""
+    security: SecuritySpec = SecuritySpec()
     tcp_ports: dict[str, int] = {}
     """``"actor.port"`` -> tcp port, for endpoints reached from other hosts."""
 
@@ -609,7 +650,9 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = derive_addresses(placements(topology), topology.hosts, run_id)
+    addresses = derive_addresses(
+        placements(topology), topology.hosts, run_id, curve=topology.security.curve
+    )
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
@@ -621,7 +664,12 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
                     kind=actor.kind,
                     config=dict(actor.raw_config),
                     ports={
-                        port: ResolvedPort(bind=list(a.bind), connect=list(a.connect))
+                        port: ResolvedPort(
+                            bind=list(a.bind),
+                            connect=list(a.connect),
+                            curve_server=a.curve_server,
+                            curve_servers=list(a.curve_servers),
+                        )
                         for port, a in addresses.ports[actor.name].items()
                     },
                     spec=actor.spec,
@@ -632,6 +680,9 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             torch_threads=threads[proc_name],
             actors=members,
             telemetry_connect=list(addresses.telemetry.get(proc_name, ())),
+            telemetry_curve_servers=[
+                addresses.curve_hosts.get(u, "") for u in addresses.telemetry.get(proc_name, ())
+            ],
             restart=spec.restart,
             max_restarts=spec.max_restarts,
             restart_backoff_s=spec.restart_backoff_s,
@@ -644,6 +695,7 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
         hosts=dict(topology.hosts),
         processes=processes,
         ipc_dir=addresses.ipc_dir,
+        security=topology.security,
         tcp_ports={f"{actor}.{port}": n for (actor, port), n in sorted(addresses.tcp_ports.items())},
     )
 
@@ -668,7 +720,12 @@ def build_process(
         config = _parse_actor_config(cls, entry.config, f"{where}.config")
         actors.append(cls(entry.name, config, resolved.job))
         addresses[entry.name] = {
-            port: PortAddresses(bind=tuple(p.bind), connect=tuple(p.connect))
+            port: PortAddresses(
+                bind=tuple(p.bind),
+                connect=tuple(p.connect),
+                curve_server=p.curve_server,
+                curve_servers=tuple(p.curve_servers),
+            )
             for port, p in entry.ports.items()
         }
     return actors, addresses, list(spec.telemetry_connect)

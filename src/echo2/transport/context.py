@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from echo2.errors import TransportError
 from echo2.messages import AnyMessage
+from echo2.transport.auth import Authenticator, CurveClient, CurveServer, apply_client, apply_server
 from echo2.transport.codec import Codec
 from echo2.transport.endpoint import (
     ENDPOINT_CLASSES,
@@ -39,6 +40,17 @@ class Transport:
         self._context.set(zmq.MAX_SOCKETS, max_sockets)
         self._open: set[Endpoint] = set()
         self._closed = False
+        self._authenticator: Authenticator | None = None
+
+    def enable_curve(self, allowed_public_keys: set[bytes]) -> Authenticator:
+        """Start this process's ZAP handler; needed before opening a CURVE server socket.
+
+        Must be called from the event loop that will serve it.
+        """
+        if self._authenticator is None:
+            self._authenticator = Authenticator(self._context, allowed_public_keys)
+            self._authenticator.start()
+        return self._authenticator
 
     @property
     def open_endpoints(self) -> list[Endpoint]:
@@ -58,6 +70,7 @@ class Transport:
         subscribe: Iterable[bytes] = (),
         message_types: Any = AnyMessage,
         codec: Codec | None = None,
+        curve: CurveServer | CurveClient | None = None,
     ) -> Endpoint:
         """Open a socket of ``kind`` ("push", "pull", "dealer", "router", "pub", "sub").
 
@@ -83,9 +96,19 @@ class Transport:
             )
             for topic in subscribe:
                 socket.setsockopt(zmq.SUBSCRIBE, topic)
+            if isinstance(curve, CurveServer):
+                if self._authenticator is None:
+                    raise TransportError(f"{name}: a CURVE server needs enable_curve() first")
+                apply_server(socket, curve)
+                endpoint.track_user_ids()
+            elif isinstance(curve, CurveClient):
+                apply_client(socket, curve)
             for url in bind:
                 endpoint.endpoints.append(_bind(socket, url))
             for url in connect:
+                if isinstance(curve, CurveClient):
+                    # Pin the server per address: set before each connect, used by it.
+                    socket.setsockopt(zmq.CURVE_SERVERKEY, curve.server_keys[url])
                 socket.connect(url)
                 endpoint.endpoints.append(url)
         except zmq.ZMQError as exc:
@@ -125,6 +148,8 @@ class Transport:
         self._closed = True
         for endpoint in list(self._open):
             endpoint.close(linger_ms)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     async def aclose(self) -> None:

@@ -106,6 +106,7 @@ class Endpoint:
         self._decode_errors = self._bytes_sent = self._bytes_received = 0
         self._last_decode_log = 0.0
         self.endpoints: list[str] = []
+        self._user_ids: dict[bytes, str | None] | None = None
         # Private pyzmq hook (zmq/_future.py), the one its own sync paths use; should a
         # future pyzmq drop it, re-arming becomes a no-op and the contract tests catch it.
         self._schedule_events = getattr(socket, "_schedule_remaining_events", _no_events)
@@ -231,6 +232,8 @@ class Endpoint:
                 if self._closed:
                     raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
                 raise TransportError(f"{self.name}: recv failed: {exc}") from exc
+            if self._user_ids is not None:
+                self._user_ids[first[0].bytes] = first[-1].get("User-Id")
             self._pending.append(first)
         while len(self._pending) < max_messages:
             try:
@@ -263,7 +266,17 @@ class Endpoint:
         while frame.more:
             frame = recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.bytes if len(frames) < copied else frame)
+        if self._user_ids is not None:
+            self._user_ids[frames[0]] = frame.get("User-Id")
         return frames
+
+    def track_user_ids(self) -> None:
+        """Remember each peer's authenticated ``User-Id`` (its CURVE public key, z85)."""
+        self._user_ids = {}
+
+    def user_id(self, peer: bytes) -> str | None:
+        """The authenticated identity of a ROUTER peer, or None without CURVE."""
+        return None if self._user_ids is None else self._user_ids.get(peer)
 
     def _decode(self, frames: Sequence[Any]) -> Message | None:
         """Decode or count-and-drop. End-of-stream markers are consumed here."""

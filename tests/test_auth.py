@@ -1,0 +1,149 @@
+"""CURVE + ZAP on a remote-facing endpoint: only allow-listed keys get in.
+
+Rejections are observed through ZeroMQ's socket monitor (handshake events), not by waiting
+for a message that never comes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from echo2.keys import main as keys_main
+from echo2.messages import Hello
+from echo2.transport import Transport
+from echo2.transport.auth import CurveClient, CurveServer, load_keypair, load_public_keys
+
+pytestmark = pytest.mark.timeout(30)
+
+FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    assert keys_main([str(tmp_path), "server", "worker", "stranger", "impostor"]) == 0
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "worker.key").rename(tmp_path / "allowed" / "worker.key")
+    return tmp_path
+
+
+async def _next_event(monitor: zmq.asyncio.Socket, mask: int) -> dict:
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())
+        if event["event"] & mask:
+            return event
+
+
+async def test_curve_admits_allowed_keys_and_rejects_the_rest(transport: Transport, keys: Path) -> None:
+    server_keys = load_keypair(keys / "server.key_secret")
+    transport.enable_curve(load_public_keys([keys / "allowed"]))
+    server = transport.router(
+        name="server", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys)
+    )
+    url = server.endpoints[0]
+    monitor = server._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
+    clients = []
+    try:
+        # An allowed worker: gets in, and its identity is its public key.
+        worker = load_keypair(keys / "worker.key_secret")
+        good = transport.dealer(
+            name="worker", connect=[url], identity=b"claims-to-be-anyone",
+            curve=CurveClient(worker, {url: server_keys.public}),
+        )  # fmt: skip
+        clients.append(good)
+        await good.send(Hello(peer_id="w", role="sampler"))
+        assert (await _next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED))["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        peer, hello = await server.recv()
+        assert isinstance(hello, Hello)
+        assert server.user_id(peer) == worker.public.decode()
+
+        # An unknown key, a plaintext client, and a client pinning the wrong server key.
+        stranger = transport.dealer(
+            name="stranger", connect=[url],
+            curve=CurveClient(load_keypair(keys / "stranger.key_secret"), {url: server_keys.public}),
+        )  # fmt: skip
+        plaintext = transport.dealer(name="plaintext", connect=[url])
+        impostor_keys = load_keypair(keys / "impostor.key_secret")
+        wrong_server = transport.dealer(
+            name="wrong-server", connect=[url], curve=CurveClient(worker, {url: impostor_keys.public})
+        )
+        clients += [stranger, plaintext, wrong_server]
+        for bad in (stranger, plaintext, wrong_server):
+            event = await _next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
+            assert event["event"] & FAILED, event
+        assert transport._authenticator is not None and transport._authenticator.refused >= 1
+        assert server.statistics().received == 1  # only the allowed worker's message
+    finally:
+        server._socket.disable_monitor()
+        monitor.close(linger=0)
+        for client in clients:
+            client.close()
+        server.close()
+
+
+def test_two_hosts_talk_over_curve_with_allow_listed_keys(tmp_path: Path) -> None:
+    """Launcher level: [security] curve = true between two hosts (both on loopback)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    keys = tmp_path / "keys"
+    assert keys_main([str(keys), "a", "b"]) == 0
+    (keys / "allowed").mkdir()
+    (keys / "allowed" / "a.key").write_bytes((keys / "a.key").read_bytes())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        f"""
+[run]
+name = "curve"
+drain_timeout_s = 3.0
+deadline_s = 20.0
+[security]
+curve = true
+keys_dir = "{keys}"
+[hosts.a]
+address = "127.0.0.1"
+[hosts.b]
+address = "127.0.0.1"
+port_base = {port}
+[processes.src]
+host = "a"
+[processes.dst]
+host = "b"
+[actors.source]
+kind = "counter_source"
+process = "src"
+config = {{ count = 25 }}
+[actors.sink]
+kind = "counter_sink"
+process = "dst"
+"""
+    )
+
+    def launch(host: str, run_dir: Path) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "echo2.launch", str(topology), "--host", host, "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+        )  # fmt: skip
+
+    sink = launch("b", tmp_path / "b")
+    source = launch("a", tmp_path / "a")
+    out_b, _ = sink.communicate(timeout=30)
+    out_a, _ = source.communicate(timeout=30)
+    assert sink.returncode == 0, out_b
+    assert source.returncode == 0, out_a
+    (run_b,) = (tmp_path / "b").iterdir()
+    resolved = json.loads((run_b / "topology.resolved.json").read_text())
+    resolved_port = resolved["processes"]["dst"]["actors"][0]["ports"]["in"]
+    assert resolved_port["curve_server"] is True
+    received = json.loads((run_b / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
+    assert received["count"] == 25
