@@ -157,7 +157,7 @@ def test_load_actor_class_by_path() -> None:
             "job.temperature: Expected `float`, got `str`",
         ),
         (counters(job={"staleness": -1}), "job: staleness must be >= 0"),
-        (counters(jobs={}), "jobs: unknown table (allowed: run, job, hosts, processes, actors)"),
+        (counters(jobs={}), "jobs: unknown table (allowed: run, job, hosts, processes, actors, security)"),
         (
             counters(run={"nmae": "x"}),
             "run.nmae: unknown field (allowed: name, run_dir, drain_timeout_s, heartbeat_s, deadline_s)",
