@@ -518,7 +518,7 @@ def derive_addresses(
                 bind=tuple(urls["bind"]),
                 connect=tuple(urls["connect"]),
                 curve_server=curve and (actor, port) in tcp_ports,
-                curve_servers=tuple(owner_of_url.get(u, "") for u in urls["connect"]),
+                curve_servers=tuple(owner_of_url.get(u, "") for u in urls["connect"]) if curve else (),
             )
             for port, urls in by_port.items()
         }
