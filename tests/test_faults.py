@@ -88,3 +88,49 @@ def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path
     assert audit.returncode == 0, audit.stdout
     assert report["lost"] == [] and report["duplicated"] == [] and report["late_accepted"] == []
     assert report["trained"] == steps * 16
+
+
+@pytest.mark.timeout(300)
+def test_learner_killed_then_resumed_trains_nothing_twice(tmp_path: Path) -> None:
+    steps = 50
+    common = [
+        "--run-dir", str(tmp_path),
+        "--set", f"actors.learner.config.max_steps={steps}",
+        "--set", "actors.learner.config.eval_prompts=100",
+        "--set", "actors.learner.config.eval_every=0",
+        "--set", "actors.learner.config.checkpoint_every=10",
+    ]  # fmt: skip
+    topology = str(ROOT / "examples" / "topology.toml")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "echo2.launch", topology, *common],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        run = _wait_for(lambda: next((p for p in tmp_path.iterdir() if p.is_dir()), None), 30, "the run dir")
+        _wait_for(lambda: _learner_steps(run) >= 25, 120, "learner step 25")
+        learner_pid = json.loads((run / "pids.json").read_text())["processes"]["learner"]
+        os.kill(learner_pid, signal.SIGKILL)
+        output, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 1, output[-3000:]  # the run stopped, naming the dead process
+    assert "process 'learner'" in output
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "echo2.launch", topology, *common, "--resume", str(run)],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert "resumed from step_000020" in resumed.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps  # the step count continues from the checkpoint
+    assert summary["rollouts_trained_twice"] == 0
+    audit = subprocess.run(
+        [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(audit.stdout)
+    assert audit.returncode == 0, audit.stdout
+    assert report["duplicated"] == [] and report["lost"] == []
+    assert report["voided_by_resume"] > 0  # the crashed incarnation trained past its checkpoint

@@ -158,6 +158,7 @@ class ActorContext:
         telemetry: Any = None,
         started_at: float | None = None,
         curve: Any = None,
+        resume: bool = False,
     ) -> None:
         self.actor_name = actor_name
         self.process = process
@@ -169,7 +170,9 @@ class ActorContext:
         self._ports = ports
         self._declared = declared
         self._telemetry = telemetry
-        self._curve = curve  # echo2.runtime.CurveSettings, or None
+        self._curve = curve  # echo2.transport.auth.CurveSettings, or None
+        self.resume = resume
+        """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
         self._metrics_file: TextIO | None = None
         self._ledger_file: TextIO | None = None
         self._endpoints: list[Endpoint] = []

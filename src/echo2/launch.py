@@ -86,6 +86,12 @@ def _parser() -> _Parser:
     )
     parser.add_argument("--host", help="start only this host's processes")
     parser.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue a stopped or crashed run in RUN_DIR from its last checkpoints",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and print the resolved topology; start nothing",
@@ -127,8 +133,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
 
-    run_dir = _make_run_dir(topology)
+    if args.resume is not None:
+        run_dir = args.resume.absolute()
+        if not (run_dir / "topology.resolved.json").is_file():
+            print(f"--resume: {run_dir} is not a run directory (no topology.resolved.json)", file=sys.stderr)
+            return _EXIT_BAD_CONFIG
+        (run_dir / "logs").mkdir(exist_ok=True)
+    else:
+        run_dir = _make_run_dir(topology)
     resolved = resolve(topology, run_dir.name, str(run_dir))
+    if args.resume is not None:
+        resolved.resume = True
     resolved_path = run_dir / "topology.resolved.json"
     resolved.dump(resolved_path)
     completes = {

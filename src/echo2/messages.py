@@ -224,6 +224,15 @@ class Batch(Message):
     buffer_stats: dict[str, int] = {}
 
 
+class LearnerCheckpointed(Message):
+    """Learner -> Buffer: a checkpoint at ``version`` is on disk. Groups handed for earlier
+    versions are durable in the model; later ones are kept until the next checkpoint, so a
+    resumed learner trains them again instead of losing them."""
+
+    incarnation: int
+    version: int
+
+
 class TrainedReport(Message):
     """Learner -> Buffer: these task ids were trained at ``version`` (closes accounting)."""
 
@@ -350,6 +359,7 @@ AnyMessage = Union[
     BatchRequest,
     Batch,
     TrainedReport,
+    LearnerCheckpointed,
     Snapshot,
     WeightManifest,
     WeightChunk,

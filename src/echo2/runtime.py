@@ -60,6 +60,7 @@ class ProcessRuntime:
         telemetry_curve_servers: Sequence[str] = (),
         transport: Transport | None = None,
         curve: CurveSettings | None = None,
+        resume: bool = False,
     ) -> None:
         self.actors = list(actors)
         self.process = process
@@ -74,6 +75,7 @@ class ProcessRuntime:
         self._telemetry_connect = tuple(telemetry_connect)
         self._telemetry_curve_servers = tuple(telemetry_curve_servers)
         self._curve = curve
+        self.resume = resume
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -143,6 +145,7 @@ class ProcessRuntime:
                         stopping=self.stopping,
                         telemetry=telemetry,
                         curve=self._curve,
+                        resume=self.resume,
                     )
                     stack.callback(lambda ctx=ctx: ctx.close(self._linger_ms()))
                     stack.push_async_callback(_aclose_actor, actor)
@@ -333,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             addresses,
             process=args.process,
             curve=curve,
+            resume=resolved.resume,
             telemetry_curve_servers=spec.telemetry_curve_servers,
             run_dir=run_dir,
             drain_timeout_s=resolved.run.drain_timeout_s,

@@ -633,6 +633,8 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     hosts: dict[str, HostSpec]
     processes: dict[str, ResolvedProcess]
     ipc_dir: str = ""
+    resume: bool = False
+    """Actors restore their state from the run directory's checkpoints (``--resume``)."""
     security: SecuritySpec = SecuritySpec()
     tcp_ports: dict[str, int] = {}
     """``"actor.port"`` -> tcp port, for endpoints reached from other hosts."""

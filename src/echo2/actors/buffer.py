@@ -25,7 +25,10 @@ Shutdown: on ``stopping`` it returns; a pending batch request is not answered.
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import ClassVar
+
+import msgspec
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors.common import run_until_stopped
@@ -33,10 +36,12 @@ from echo2.messages import (
     Batch,
     BatchRequest,
     ExpireLease,
-    LeaseClosed,
+    LearnerCheckpointed,
     LearnerProgress,
+    LeaseClosed,
     ScoredGroup,
 )
+from echo2.transport.codec import Codec
 
 
 class BufferConfig(ActorConfig):
@@ -63,6 +68,11 @@ class Buffer(Actor):
         self._stored_leases: set[int] = set()
         self._expired_leases: set[int] = set()
         self._learner_version = 0
+        self._incarnation = 0
+        self._resumed_from = 0
+        # Groups handed to the learner since its last checkpoint: a crashed learner resumes
+        # from that checkpoint and must train them again, so they are kept until then.
+        self._retained: deque[tuple[int, ScoredGroup]] = deque()
         self._pending: tuple[bytes, BatchRequest] | None = None
         self.counters: dict[str, int] = {
             "groups_stored": 0,
@@ -76,12 +86,90 @@ class Buffer(Actor):
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
+        self._codec = Codec()
+        if ctx.resume:
+            self._load_state()
 
     async def aclose(self) -> None:
+        if not hasattr(self, "_store"):
+            return
+        self._save_state()
         # Groups still stored when the run ends were never trained: say so, so the audit
         # can tell them from lost ones.
-        for g in getattr(self, "_store", ()):
+        for g in self._store:
             self.ctx.ledger("unconsumed", task=g.group.task_id, version=g.group.version)
+
+    # -- checkpoint ------------------------------------------------------------------
+
+    def _state_path(self) -> Path | None:
+        return None if self.ctx.run_dir is None else self.ctx.run_dir / "checkpoints" / f"{self.name}.state"
+
+    def _encode_group(self, group: ScoredGroup) -> list[bytes]:
+        return [bytes(memoryview(frame).cast("B")) for frame in self._codec.encode(group)]
+
+    def _save_state(self) -> None:
+        """Stored and retained groups plus every dedup set, written atomically."""
+        path = self._state_path()
+        if path is None:
+            return
+        state = {
+            "seen": sorted(self._seen_tasks),
+            "stored_leases": sorted(self._stored_leases),
+            "expired_leases": sorted(self._expired_leases),
+            "learner_version": self._learner_version,
+            "incarnation": self._incarnation,
+            "resumed_from": self._resumed_from,
+            "counters": self.counters,
+            "dropped": self.dropped,
+            "store": [self._encode_group(g) for g in self._store],
+            "retained": [[v, self._encode_group(g)] for v, g in self._retained],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(state))
+        tmp.replace(path)
+
+    def _load_state(self) -> None:
+        path = self._state_path()
+        if path is None or not path.exists():
+            self.ctx.log.warning("--resume: no buffer state at %s; starting empty", path)
+            return
+        state = msgspec.msgpack.decode(path.read_bytes())
+        self._seen_tasks = set(state["seen"])
+        self._stored_leases = set(state["stored_leases"])
+        self._expired_leases = set(state["expired_leases"])
+        self._learner_version = state["learner_version"]
+        self._incarnation = state["incarnation"]
+        self._resumed_from = state["resumed_from"]
+        self.counters.update(state["counters"])
+        self.dropped.update(state["dropped"])
+        decode = self._codec.decode
+        self._store = deque(decode(frames) for frames in state["store"])
+        self._retained = deque((v, decode(frames)) for v, frames in state["retained"])
+        self.ctx.log.info(
+            "resumed: %d groups stored, %d awaiting a learner checkpoint, %d task ids seen",
+            len(self._store), len(self._retained), len(self._seen_tasks),
+        )  # fmt: skip
+
+    def _on_checkpoint(self, done: LearnerCheckpointed) -> None:
+        while self._retained and self._retained[0][0] < done.version:
+            self._retained.popleft()
+        self._save_state()
+
+    def _on_new_incarnation(self, request: BatchRequest) -> None:
+        """A resumed learner: what it trained after its checkpoint is lost; train it again."""
+        self._incarnation, self._resumed_from = request.incarnation, request.version
+        self._learner_version = request.version
+        again = [g for v, g in self._retained if v >= request.version]
+        self._retained.clear()
+        self._store.extendleft(reversed(again))
+        self.counters["groups_trained"] -= len(again)  # back in the store, not trained
+        for g in again:
+            self.ctx.ledger("requeued", task=g.group.task_id, version=g.group.version)
+        self.ctx.log.info(
+            "learner incarnation %d resumes at version %d: %d groups requeued",
+            request.incarnation, request.version, len(again),
+        )  # fmt: skip
 
     def statistics(self) -> dict[str, float]:
         return {
@@ -101,7 +189,9 @@ class Buffer(Actor):
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
-    def _admissible(self, version: int) -> bool:
+    def _admissible(self, version: int, incarnation: int) -> bool:
+        if incarnation < self._incarnation and version > self._resumed_from:
+            return False  # made by weights of a crashed learner's lost future
         return version >= self._learner_version - self.job.staleness
 
     async def _close(self, group: ScoredGroup, outcome: str) -> None:
@@ -133,7 +223,7 @@ class Buffer(Actor):
             self._drop(scored.dropped_reason)
             self._seen_tasks.add(g.task_id)
             await self._close(scored, f"dropped:{scored.dropped_reason}")
-        elif not self._admissible(g.version):
+        elif not self._admissible(g.version, g.incarnation):
             self._drop("stale")
             self._seen_tasks.add(g.task_id)
             await self._close(scored, "dropped:stale")
@@ -176,15 +266,19 @@ class Buffer(Actor):
         while True:
             for peer, message in await self._batch.recv_many():
                 if isinstance(message, BatchRequest):
+                    if message.incarnation > self._incarnation:
+                        self._on_new_incarnation(message)
                     self._pending = (peer, message)
                     self._learner_version = max(self._learner_version, message.version)
+                elif isinstance(message, LearnerCheckpointed):
+                    self._on_checkpoint(message)
             await self._answer_pending()
 
     def _evict_stale(self) -> int:
-        kept = deque(g for g in self._store if self._admissible(g.group.version))
+        kept = deque(g for g in self._store if self._admissible(g.group.version, g.group.incarnation))
         evicted = len(self._store) - len(kept)
         for g in self._store:
-            if not self._admissible(g.group.version):
+            if not self._admissible(g.group.version, g.group.incarnation):
                 self.ctx.ledger("dropped", task=g.group.task_id, reason="stale", version=g.group.version)
         if evicted:
             self._store = kept
@@ -205,6 +299,9 @@ class Buffer(Actor):
         groups = [self._store.popleft() for _ in range(request.num_groups)]
         for g in groups:
             self.ctx.ledger("handed", task=g.group.task_id, version=g.group.version, request_version=request.version)
+            self._retained.append((request.version, g))
+        while len(self._retained) > self.config.max_groups:  # no checkpoints: bound the memory
+            self._retained.popleft()
         self.counters["groups_trained"] += len(groups)
         self.counters["batches_served"] += 1
         stats = {**self.counters, **{f"dropped_{k}": v for k, v in self.dropped.items()}}

@@ -43,7 +43,7 @@ import numpy as np
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors.common import load_job_task
-from echo2.messages import Batch, BatchRequest, ScoredGroup, Snapshot
+from echo2.messages import Batch, BatchRequest, LearnerCheckpointed, ScoredGroup, Snapshot
 from echo2.transport.broadcast import flatten_tensors
 
 
@@ -106,6 +106,8 @@ class Learner(Actor):
     async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
         await super().setup(ctx)
         await asyncio.to_thread(self._build)
+        if ctx.resume:
+            await asyncio.to_thread(self._restore)
         self._batches = ctx.open("batch", identity=self.name.encode())
         self._snapshots = ctx.open("snapshots")
 
@@ -137,6 +139,7 @@ class Learner(Actor):
         self.task = load_job_task(self.job)
         self.heldout = self.task.heldout(self.config.eval_prompts)
         self.version = 0
+        self.incarnation = self.config.incarnation
         self.staleness: Counter[int] = Counter()
         self.trained_tasks: set[str] = set()
         self.trained_twice = 0
@@ -197,7 +200,7 @@ class Learner(Actor):
                 self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
                 record["accuracy"] = self.evals[-1][1]
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
-                await asyncio.to_thread(self.save_checkpoint)
+                await self._checkpoint()
             self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
             if self.version % self.config.log_every == 0 or "accuracy" in record:
                 last_log = self._log_progress(record, last_log)
@@ -208,7 +211,7 @@ class Learner(Actor):
         await self._batches.send(
             BatchRequest(
                 request_id=self._request_id,
-                incarnation=self.config.incarnation,
+                incarnation=self.incarnation,
                 version=self.version if version is None else version,
                 num_groups=self.job.groups_per_step,
             )
@@ -226,7 +229,7 @@ class Learner(Actor):
         self.published_version, self.published_at_s = self.version, time.time()
         await self._snapshots.send(
             Snapshot(
-                incarnation=self.config.incarnation,
+                incarnation=self.incarnation,
                 version=self.version,
                 tensors=specs,
                 data=flat,
@@ -257,7 +260,7 @@ class Learner(Actor):
                 task=task_id,
                 version=g.version,
                 learner_version=self.version,
-                incarnation=self.config.incarnation,
+                incarnation=self.incarnation,
             )
             lag = self.version - g.version
             staleness.append(lag)
@@ -382,15 +385,51 @@ class Learner(Actor):
         else:
             self.policy.save(directory)  # save_pretrained: loadable as a model directory
         torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+        (directory / "trained_tasks.json").write_text(json.dumps(sorted(self.trained_tasks)))
+        # state.json last: its presence marks the checkpoint complete (see _restore).
         (directory / "state.json").write_text(
-            json.dumps({"step": self.version, "version": self.version, "incarnation": self.config.incarnation})
+            json.dumps({"step": self.version, "version": self.version, "incarnation": self.incarnation})
         )
         return directory
+
+    def _restore(self) -> None:
+        """Continue from the newest complete checkpoint under a new incarnation."""
+        from safetensors.torch import load_file
+
+        torch = self._torch
+        root = self.ctx.run_dir / "checkpoints" if self.ctx.run_dir is not None else None
+        complete = sorted(root.glob("step_*/state.json")) if root is not None and root.exists() else []
+        if not complete:
+            self.ctx.log.warning("--resume: no complete checkpoint in %s; starting from the initial model", root)
+            return
+        directory = complete[-1].parent
+        state = json.loads((directory / "state.json").read_text())
+        weights = load_file(directory / "model.safetensors")
+        self.model.load_state_dict(weights, strict=False if self.policy.kind != "tiny" else True)
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        trained = directory / "trained_tasks.json"
+        if trained.exists():
+            self.trained_tasks = set(json.loads(trained.read_text()))
+        previous = int(state["incarnation"])
+        self.version = int(state["version"])
+        # Versions published after this checkpoint by the crashed incarnation must never be
+        # mistaken for ours: a new incarnation orders after every old one.
+        self.incarnation = previous + 1
+        self.ctx.ledger(
+            "resumed", incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version
+        )
+        self.ctx.log.info(
+            "resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation
+        )
+
+    async def _checkpoint(self) -> None:
+        if await asyncio.to_thread(self.save_checkpoint) is not None:
+            await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=self.version))
 
     async def _finish(self, wall_s: float) -> None:
         if not self.evals or self.evals[-1][0] != self.version:
             self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
-        await asyncio.to_thread(self.save_checkpoint)
+        await self._checkpoint()
         busy = self.wait_s + self.train_s
         summary = {
             "steps": self.version,

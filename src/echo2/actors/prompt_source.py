@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import json
 import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from echo2.actor import Actor, ActorConfig, Port
@@ -185,6 +187,54 @@ class PromptSource(Actor):
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
         self._telemetry = ctx.open("telemetry", subscribe=[b"hb|", b"installed|"])
+        if ctx.resume:
+            self._load_state()
+
+    # -- checkpoint ------------------------------------------------------------------
+
+    def _state_path(self) -> Path | None:
+        return None if self.ctx.run_dir is None else self.ctx.run_dir / "checkpoints" / f"{self.name}.json"
+
+    def _save_state(self) -> None:
+        """Where the prompt stream stands, and the work to re-issue after a restart."""
+        path = self._state_path()
+        if path is None:
+            return
+        pending = [(p, a) for p, a in self._retry] + [(l.prompt, l.attempt + 1) for l in self._leases.values()]
+        state = {
+            "issued_tasks": self._issued_tasks,
+            # The in-flight window's counters must agree with the Buffer's restored ones.
+            "stored": self._stored,
+            "trained": self._trained,
+            "dropped_after_store": self._dropped_after_store,
+            "retry": [[p.task_id, p.text, p.answer, attempt] for p, attempt in pending],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(path)
+
+    def _load_state(self) -> None:
+        path = self._state_path()
+        if path is None or not path.exists():
+            self.ctx.log.warning("--resume: no prompt source state at %s; starting the stream over", path)
+            return
+        state = json.loads(path.read_text())
+        for _ in range(state["issued_tasks"]):  # the stream is deterministic per seed: skip ahead
+            next(self._prompts)
+        self._issued_tasks = state["issued_tasks"]
+        self._stored, self._trained = state["stored"], state["trained"]
+        self._dropped_after_store = state["dropped_after_store"]
+        # Not the learner's version: a resumed learner goes back to its checkpoint, and the
+        # Buffer's next LearnerProgress says where it is.
+        self._retry.extend(
+            (Prompt(task_id=t, text=text, answer=answer), attempt) for t, text, answer, attempt in state["retry"]
+        )
+        self.ctx.log.info("resumed after %d tasks; %d to re-issue", self._issued_tasks, len(self._retry))
+
+    async def aclose(self) -> None:
+        if hasattr(self, "_leases"):
+            self._save_state()
 
     def statistics(self) -> dict[str, float]:
         return {
@@ -229,7 +279,9 @@ class PromptSource(Actor):
                 if isinstance(message, Heartbeat):
                     self.scheduler.observe_heartbeat(time.monotonic(), message.stats)
                 elif isinstance(message, WeightsInstalled):
-                    self.scheduler.observe_install(message.sampler_id, message.version, message.time_s)
+                    self.scheduler.observe_install(
+                        message.sampler_id, message.version, message.time_s, message.install_s
+                    )
 
     async def _schedule(self) -> None:
         interval = self.config.activation_interval_s
