@@ -248,6 +248,7 @@ class Learner(Actor):
         torch = self._torch
         started = time.perf_counter()
         prompts, responses, sampler_lp, advantages, rewards = [], [], [], [], []
+        row_sampler: list[str] = []
         staleness = []
         for scored in groups:
             g = scored.group
@@ -274,6 +275,7 @@ class Learner(Actor):
                 prompts.append(g.prompt_token_ids)
                 responses.append(g.token_ids[lo:hi])
                 sampler_lp.append(g.logprobs[lo:hi])
+                row_sampler.append(g.sampler_id)
                 advantages.append(a)
         self.rollouts_trained += len(responses)
         pad_id = self.policy.tokenizer.pad_id
@@ -315,6 +317,10 @@ class Learner(Actor):
             "is_weight_mean": stats.is_weight_mean,
             "is_truncated_fraction": stats.is_truncated_fraction,
             "approx_kl_sampler": stats.approx_kl_sampler,
+            # Per sampler: mean (sampler log-prob - learner log-prob) per token. Rollouts from
+            # remote workers are claims; a worker whose numbers disagree with the learner's
+            # recomputation (a different model, tampered log-probs) stands out here.
+            "mismatch_by_sampler": _mismatch_by_sampler(behaviour, logp.detach(), mask, row_sampler),
         }
 
     def _simulated_step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
@@ -405,7 +411,8 @@ class Learner(Actor):
         directory = complete[-1].parent
         state = json.loads((directory / "state.json").read_text())
         weights = load_file(directory / "model.safetensors")
-        self.model.load_state_dict(weights, strict=False if self.policy.kind != "tiny" else True)
+        # HF: names without LogitsLM's "hf." prefix; a tied lm_head is not in the file
+        self.policy.core.load_state_dict(weights, strict=self.policy.kind == "tiny")
         self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         trained = directory / "trained_tasks.json"
         if trained.exists():
@@ -465,3 +472,14 @@ class Learner(Actor):
         if self.ctx.run_dir is not None:
             path = self.ctx.run_dir / "summary.json"
             path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _mismatch_by_sampler(behaviour: Any, logp: Any, mask: Any, samplers: list[str]) -> dict[str, float]:
+    gap = ((behaviour - logp) * mask).sum(dim=1)  # (B,)
+    tokens = mask.sum(dim=1)  # (B,)
+    out: dict[str, list[float]] = {}
+    for sampler, g, n in zip(samplers, gap.tolist(), tokens.tolist(), strict=True):
+        entry = out.setdefault(sampler, [0.0, 0.0])
+        entry[0] += g
+        entry[1] += n
+    return {s: round(total / max(n, 1.0), 6) for s, (total, n) in out.items()}
