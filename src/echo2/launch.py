@@ -421,6 +421,10 @@ class Launcher:
         env["PYTHONUNBUFFERED"] = "1"
         if child.torch_threads > 0:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(child.torch_threads)
+        # Idle OpenMP threads sleep instead of spinning: with more torch processes than
+        # cores (a learner and samplers on a laptop), a spinning pool steals the core a
+        # busy neighbour needs, and small ops get 10-100x slower.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         return env
 
     def _child_preexec(self) -> Any:
