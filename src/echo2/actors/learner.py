@@ -172,9 +172,9 @@ class Learner(Actor):
     # -- main loop -------------------------------------------------------------------
 
     async def run(self) -> None:
-        started = time.monotonic()
-        self.evals.append((0, await asyncio.to_thread(self.evaluate)))
-        self.ctx.log.info("step 0: greedy accuracy %.3f (warm start)", self.evals[-1][1])
+        self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
+        self.ctx.log.info("step %d: greedy accuracy %.3f (start)", self.version, self.evals[-1][1])
+        started = time.monotonic()  # wall_s covers training, not the initial evaluation
         await self._publish()
         await self._request()
         last_log = (time.monotonic(), 0)
