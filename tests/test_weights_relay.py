@@ -13,23 +13,50 @@ import pytest
 
 from echo2.messages import Snapshot, WeightChunk
 from echo2.transport import Transport
-from echo2.transport.broadcast import SnapshotAssembler, digest, flatten_tensors, make_manifest
+from echo2.transport.broadcast import (
+    SnapshotAssembler,
+    digest,
+    flatten_tensors,
+    make_manifest,
+)
 from echo2.transport.link import LinkSpec
-from echo2.transport.weights import WeightBroadcaster, WeightReceiver, relay_plan
+from echo2.transport.weights import (
+    NO_LINK,
+    WeightBroadcaster,
+    WeightReceiver,
+    relay_plan,
+)
 
 CHUNK = 64 * 1024
 
 
-def snapshot(version: int, nbytes: int = 40 * CHUNK + 123, incarnation: int = 1) -> Snapshot:
+def snapshot(
+    version: int, nbytes: int = 40 * CHUNK + 123, incarnation: int = 1
+) -> Snapshot:
     rng = np.random.default_rng(version)
     specs, flat = flatten_tensors(
-        {"w": rng.integers(0, 255, nbytes - 3, dtype=np.uint8), "b": np.arange(3, dtype=np.uint8)}
+        {
+            "w": rng.integers(0, 255, nbytes - 3, dtype=np.uint8),
+            "b": np.arange(3, dtype=np.uint8),
+        }
     )
-    return Snapshot(incarnation=incarnation, version=version, tensors=specs, data=flat, created_at_s=0.0)
+    return Snapshot(
+        incarnation=incarnation,
+        version=version,
+        tensors=specs,
+        data=flat,
+        created_at_s=0.0,
+    )
 
 
 class Harness:
-    def __init__(self, transport: Transport, broadcaster: WeightBroadcaster, url: str, group: asyncio.TaskGroup):
+    def __init__(
+        self,
+        transport: Transport,
+        broadcaster: WeightBroadcaster,
+        url: str,
+        group: asyncio.TaskGroup,
+    ):
         self.transport = transport
         self.broadcaster = broadcaster
         self.url = url
@@ -38,13 +65,19 @@ class Harness:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.complete: dict[str, list[SnapshotAssembler]] = {}
 
-    def add(self, name: str, link: LinkSpec = LinkSpec(), gap_timeout_s: float = 0.3) -> WeightReceiver:
-        control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
+    def add(
+        self, name: str, link: LinkSpec = NO_LINK, gap_timeout_s: float = 0.3
+    ) -> WeightReceiver:
+        control = self.transport.dealer(
+            name=f"{name}.weights", connect=[self.url], identity=name.encode()
+        )
         self.complete[name] = []
 
         def done(assembler: SnapshotAssembler) -> None:
             self.complete[name].append(assembler)
-            asyncio.get_running_loop().create_task(receiver.report_installed(assembler.key, 0.0))
+            asyncio.get_running_loop().create_task(
+                receiver.report_installed(assembler.key, 0.0)
+            )
 
         receiver = WeightReceiver(
             self.transport,
@@ -66,15 +99,19 @@ class Harness:
         self.tasks[name].cancel()
         self.receivers[name].close()
 
-    async def wait_complete(self, names: list[str], version: int, timeout_s: float = 10.0) -> None:
+    async def wait_complete(
+        self, names: list[str], version: int, timeout_s: float = 10.0
+    ) -> None:
         async with asyncio.timeout(timeout_s):
-            while not all(any(a.key[1] == version for a in self.complete[n]) for n in names):
+            while not all(
+                any(a.key[1] == version for a in self.complete[n]) for n in names
+            ):
                 await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
 async def harness(
-    mode: str = "relay", stripes: int = 2, link: LinkSpec = LinkSpec(), fault=None
+    mode: str = "relay", stripes: int = 2, link: LinkSpec = NO_LINK, fault=None
 ) -> AsyncIterator[Harness]:
     transport = Transport()
     router = transport.router(name="pub.weights", bind=["inproc://test-weights"])
@@ -139,7 +176,9 @@ async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int) -> N
         stats = {name: h.receivers[name].statistics() for name in names}
         if mode != "star":
             assert sum(s["chunks_forwarded"] for s in stats.values()) > 0
-            assert h.broadcaster.counters["chunks_sent"] == len(make_manifest(snap, CHUNK).chunk_digests)
+            assert h.broadcaster.counters["chunks_sent"] == len(
+                make_manifest(snap, CHUNK).chunk_digests
+            )
         assert all(s["repair_requests"] == 0 for s in stats.values()), stats
 
 
@@ -152,7 +191,12 @@ async def test_dropped_and_corrupted_chunks_are_repaired_and_counted() -> None:
             corrupted.append(chunk.index)
             bad = np.array(chunk.data)
             bad[0] ^= 0xFF
-            return WeightChunk(incarnation=chunk.incarnation, version=chunk.version, index=chunk.index, data=bad)
+            return WeightChunk(
+                incarnation=chunk.incarnation,
+                version=chunk.version,
+                index=chunk.index,
+                data=bad,
+            )
         return None if rng.random() < 0.10 else chunk
 
     async with harness(mode="relay", fault=fault) as h:
@@ -180,7 +224,12 @@ async def test_forged_or_older_manifests_are_rejected() -> None:
         h.broadcaster.publish_nowait(snapshot(3))
         await h.wait_complete(["a"], 3)
         forged = make_manifest(snapshot(4))
-        forged = type(forged)(**{**{f: getattr(forged, f) for f in forged.__struct_fields__}, "digest": b"\0" * 32})
+        forged = type(forged)(
+            **{
+                **{f: getattr(forged, f) for f in forged.__struct_fields__},
+                "digest": b"\0" * 32,
+            }
+        )
         await receiver._on_manifest(forged)
         assert receiver.counters["manifests_rejected"] == 1
         assert receiver.assembling is None

@@ -268,7 +268,8 @@ class Snapshot(Message):
 
 
 class WeightManifest(Message):
-    """Describes one snapshot: layout, chunking and digests (BLAKE2b-256 here)."""
+    """Describes one snapshot: layout, chunking and digests (``digest_algorithm``:
+    "sha256", the default, or "blake2b-256")."""
 
     incarnation: int
     version: int
@@ -278,6 +279,7 @@ class WeightManifest(Message):
     chunk_digests: list[bytes]
     digest: bytes
     published_at_s: float
+    digest_algorithm: str = "sha256"
 
 
 class WeightChunk(Message):

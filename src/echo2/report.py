@@ -16,6 +16,10 @@ Reads what ``python -m echo2.launch`` leaves in a run directory and writes ``RUN
 * ``learner_idle.png`` — the learner's idle (bubble) fraction over time, a rolling
   ``sum(wait_s) / sum(wait_s + train_s)`` over a window of steps, the run's overall figure
   in the title;
+* ``capacity.png`` — only for runs whose PromptSource scheduled samplers (``"kind":
+  "activation"`` records): the active set over time (samplers, their measured rollouts/s
+  against ``mu_min`` and the target), dollars per learner step, and the learner's bubble
+  ratio per step, on one clock (unix seconds of the records);
 * ``report.md`` — a table of the headline numbers and links to the plots.
 
 Inputs are read forgivingly, since a run can be killed mid-write: the step records are those
@@ -49,6 +53,10 @@ from matplotlib.ticker import PercentFormatter  # noqa: E402
 REPORT_DIR = "report"
 STEP_KIND = "step"
 PLOT_NAMES = ("reward.png", "accuracy.png", "staleness.png", "learner_idle.png")
+CAPACITY_PLOT = "capacity.png"
+"""Written only for runs with activation records (not in PLOT_NAMES: most runs have none)."""
+BROADCAST_PLOT = "broadcast.png"
+"""Written only for runs whose WeightPublisher recorded T_bcast (``"kind": "broadcast"``)."""
 MAX_WINDOW = 50
 """Largest rolling window, in steps."""
 _DPI = 110
@@ -395,6 +403,127 @@ def plot_learner_idle(data: RunData, path: Path, window: int | None = None) -> P
     return _save(fig, path)
 
 
+def activation_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The PromptSource's ``activation`` records (with ``unix_s``), oldest first."""
+    out: list[dict[str, Any]] = []
+    metrics = Path(run_dir) / "metrics"
+    if metrics.is_dir():
+        for path in sorted(metrics.glob("*.jsonl")):
+            records, _ = read_jsonl(path)
+            out += [r for r in records if r.get("kind") == "activation" and _number(r.get("unix_s")) is not None]
+    return sorted(out, key=lambda r: r["unix_s"])
+
+
+def dollars_per_step_series(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(unix_s, dollars per step between consecutive records that saw steps)."""
+    xs, ys = [], []
+    for a, b in zip(records, records[1:]):
+        da, db = _number(a.get("dollars_total")), _number(b.get("dollars_total"))
+        sa, sb = _number(a.get("steps")), _number(b.get("steps"))
+        if None in (da, db, sa, sb) or sb <= sa:
+            continue
+        xs.append(b["unix_s"])
+        ys.append((db - da) / (sb - sa))
+    return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+
+
+def capacity_notes(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Headline lines of the activation records: policy, final active set, dollars per step."""
+    if not records:
+        return []
+    last = records[-1]
+    notes = [f"policy `{last.get('policy')}`: {last.get('n_active')} of {last.get('n_available')} samplers active"]
+    if _number(last.get("steps")) and _number(last.get("dollars_total")) is not None:
+        notes.append(f"dollars per step (whole run): {last['dollars_total'] / last['steps']:.6g}")
+    if (mu := _number(last.get("mu_min"))) is not None:
+        notes.append(f"mu_min {mu:.4g} rollouts/s, active {last.get('active_mu')} rollouts/s")
+    notes.append(f"last decision: {last.get('reason', '')}")
+    return notes
+
+
+def plot_capacity(data: RunData, records: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    if not records:
+        return None
+    t0 = float(records[0]["unix_s"])
+    times = np.asarray([r["unix_s"] - t0 for r in records], dtype=float)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), layout="constrained", sharex=True)
+    ax = axes[0]
+    ax.step(times, [r.get("n_active", 0) for r in records], where="post", color="tab:blue", label="active samplers")
+    ax.set_ylabel("active samplers")
+    ax.set_ylim(0, max(int(r.get("n_available") or r.get("n_active") or 0) for r in records) + 1)
+    ax2 = ax.twinx()
+    for key, style, label in (("active_mu", "-", "active mu"), ("target_mu", "--", "target"), ("mu_min", ":", "mu_min")):
+        ys = [_number(r.get(key)) for r in records]
+        ys_arr = np.asarray([np.nan if y is None else y for y in ys], dtype=float)
+        ax2.plot(times, ys_arr, linestyle=style, color="tab:green", label=label)
+    ax2.set_ylabel("rollouts/s")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [h.get_label() for h in lines], loc="lower right", fontsize="small")
+    ax.grid(alpha=0.3)
+    policy = records[-1].get("policy", "?")
+    ax.set_title(f"Active set ({policy}) — {data.run_id}")
+    x, y = dollars_per_step_series(records)
+    if len(y):
+        axes[1].plot(x - t0, y, color="tab:red", marker=".")
+    else:
+        axes[1].text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=axes[1].transAxes)
+    axes[1].set_ylabel("dollars per step")
+    axes[1].grid(alpha=0.3)
+    rows = [
+        (float(r["unix_s"]) - t0, w / (w + t))
+        for r in data.steps
+        for w, t in [_wait_train(r)]
+        if _number(r.get("unix_s")) is not None and w is not None and t is not None and w + t > 0
+    ]
+    if rows:
+        arr = np.asarray(rows, dtype=float)
+        axes[2].plot(arr[:, 0], arr[:, 1], color="tab:orange", marker=".", linewidth=1)
+        axes[2].yaxis.set_major_formatter(PercentFormatter(1.0))
+    else:
+        axes[2].text(0.5, 0.5, "no step records with unix_s", ha="center", va="center", transform=axes[2].transAxes)
+    axes[2].set_ylabel("learner bubble ratio")
+    axes[2].set_xlabel("seconds since the first activation record")
+    axes[2].grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def broadcast_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The WeightPublisher's ``broadcast`` records (T_bcast per version), by version."""
+    out: list[dict[str, Any]] = []
+    metrics = Path(run_dir) / "metrics"
+    if metrics.is_dir():
+        for path in sorted(metrics.glob("*.jsonl")):
+            records, _ = read_jsonl(path)
+            out += [
+                r
+                for r in records
+                if r.get("kind") == "broadcast"
+                and _number(r.get("t_bcast_s")) is not None
+                and _number(r.get("version")) is not None
+            ]
+    return sorted(out, key=lambda r: (_number(r.get("incarnation")) or 0, r["version"]))
+
+
+def plot_broadcast(data: RunData, records: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """T_bcast (publication until 1/gamma of active samplers installed) per version."""
+    if not records:
+        return None
+    versions = np.asarray([r["version"] for r in records], dtype=float)
+    t_bcast = np.asarray([r["t_bcast_s"] for r in records], dtype=float)
+    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+    ax.plot(versions, t_bcast, marker=".", linewidth=1, color="tab:purple")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("T_bcast (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    mode = records[-1].get("mode", "?")
+    ax.set_title(
+        f"Weight broadcast ({mode}): median T_bcast {np.median(t_bcast):.3g} s, "
+        f"max {t_bcast.max():.3g} s"
+    )
+    return _save(fig, path)
+
+
 # -- report.md ------------------------------------------------------------------------------
 
 
@@ -459,7 +588,7 @@ _SECTIONS = {
 }
 
 
-def render_markdown(data: RunData, written: Sequence[Path]) -> str:
+def render_markdown(data: RunData, written: Sequence[Path], capacity_notes: Sequence[str] = ()) -> str:
     lines = [f"# Run report: {data.run_id}", "", f"Run directory: `{data.run_dir}`", ""]
     if data.actor is not None:
         lines += [f"Step records: `metrics/{data.actor}.jsonl` ({len(data.steps)} steps).", ""]
@@ -479,6 +608,12 @@ def render_markdown(data: RunData, written: Sequence[Path]) -> str:
         lines.append("")
         lines.append(f"![{_SECTIONS[name]}]({name})" if name in names else "_No data for this plot._")
         lines.append("")
+    if CAPACITY_PLOT in names:
+        lines += ["## Capacity: active set, dollars per step, bubble ratio", ""]
+        lines += [f"- {note}" for note in capacity_notes]
+        lines += ["", f"![Capacity]({CAPACITY_PLOT})", ""]
+    if BROADCAST_PLOT in names:
+        lines += ["## Weight broadcast: T_bcast per version", "", f"![T_bcast]({BROADCAST_PLOT})", ""]
     return "\n".join(lines)
 
 
@@ -505,8 +640,19 @@ def write_report(run_dir: Path, *, window: int | None = None) -> list[Path]:
             written.append(path)
         else:
             path.unlink(missing_ok=True)  # never leave a plot of an earlier report behind
+    capacity = out / CAPACITY_PLOT
+    activations = activation_records(Path(run_dir))
+    if plot_capacity(data, activations, capacity) is not None:
+        written.append(capacity)
+    else:
+        capacity.unlink(missing_ok=True)
+    broadcast = out / BROADCAST_PLOT
+    if plot_broadcast(data, broadcast_records(Path(run_dir)), broadcast) is not None:
+        written.append(broadcast)
+    else:
+        broadcast.unlink(missing_ok=True)
     markdown = out / "report.md"
-    markdown.write_text(render_markdown(data, written), encoding="utf-8")
+    markdown.write_text(render_markdown(data, written, capacity_notes(activations)), encoding="utf-8")
     written.append(markdown)
     return written
 

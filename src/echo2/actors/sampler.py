@@ -5,10 +5,12 @@ it; a new version is installed only once complete and verified, and only between
 generation batches, so a batch never mixes versions.
 
 Input: ``tasks`` (DEALER, identity = actor name) — ``Welcome`` then ``TaskLease`` from the
-PromptSource; ``weights`` (SUB) — ``WeightManifest`` and ``WeightChunk`` from the
-WeightPublisher.
-Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInstalled`` on
-telemetry.
+PromptSource; ``weights`` (DEALER, identity = actor name) — ``RelayPlan``, ``WeightManifest``
+and repaired ``WeightChunk``s from the WeightPublisher, and a relay inbox (PULL, bound at an
+address announced to the publisher) for streamed chunks, which it forwards down its relay
+chain (``echo2.transport.weights.WeightReceiver``).
+Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInstalled`` to the
+WeightPublisher (T_bcast) and on telemetry.
 
 Backpressure: credit-based. It grants ``credits`` leases up front and one more per
 finished group, so it never holds more work than it can start soon; a slow Rewarder makes
@@ -40,13 +42,13 @@ from echo2.messages import (
     LeaseRevoked,
     RolloutGroup,
     TaskLease,
-    WeightChunk,
-    WeightManifest,
     WeightsInstalled,
     Welcome,
     WorkRequest,
 )
-from echo2.transport.broadcast import WEIGHTS_TOPIC, ManifestRejected, SnapshotAssembler
+from echo2.transport.broadcast import SnapshotAssembler
+from echo2.transport.link import LinkSpec
+from echo2.transport.weights import WeightReceiver
 
 INSTALLED_TOPIC = b"installed|"
 
@@ -62,6 +64,17 @@ class SamplerConfig(ActorConfig):
     """Most leases generated together in one engine call (larger batches decode faster)."""
     price_per_hour: float = 0.0
     """What this worker costs, for cost-aware activation."""
+    uplink_mbps: float = 0.0
+    """Emulated uplink cap on the weight path (relay forwarding), Mbit/s; 0: uncapped."""
+    downlink_mbps: float = 0.0
+    """Emulated downlink cap on the weight path, Mbit/s; 0: uncapped."""
+    latency_ms: float = 0.0
+    """Emulated one-way latency added to every weight chunk this sampler receives."""
+    relay_host: str = ""
+    """Address peers reach this sampler's relay inbox at over tcp (default: this host's
+    address on the route to the publisher)."""
+    gap_timeout_s: float = 2.0
+    """A version making no progress for this long has its missing chunks repaired."""
 
 
 class Sampler(Actor):
@@ -70,7 +83,7 @@ class Sampler(Actor):
     ports: ClassVar[dict[str, Port]] = {
         "tasks": Port("dealer", bind=False),
         "rollouts": Port("push", bind=False),
-        "weights": Port("sub", bind=False, hwm=100_000),
+        "weights": Port("dealer", bind=False),
     }
     config: SamplerConfig
 
@@ -94,11 +107,20 @@ class Sampler(Actor):
         self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
         self._tasks = ctx.open("tasks", identity=self.name.encode())
         self._rollouts = ctx.open("rollouts")
-        self._weights = ctx.open("weights", subscribe=[WEIGHTS_TOPIC])
+        self._weights = ctx.open("weights", identity=self.name.encode())
+        self._receiver = WeightReceiver(
+            ctx.transport,
+            self._weights,
+            name=self.name,
+            link=LinkSpec(self.config.uplink_mbps, self.config.downlink_mbps, self.config.latency_ms),
+            relay_host=self.config.relay_host,
+            gap_timeout_s=self.config.gap_timeout_s,
+            on_complete=self._on_complete,
+        )
+        self._receiver.open()
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
         self._weights_ready = asyncio.Event()
-        self._assembling: SnapshotAssembler | None = None
         self._ready: SnapshotAssembler | None = None
         self._installed: tuple[int, int] | None = None  # (incarnation, version)
         self._revoked: set[int] = set()
@@ -135,8 +157,16 @@ class Sampler(Actor):
 
     def statistics(self) -> dict[str, float]:
         version = self._installed[1] if self._installed else -1
+        receiver = getattr(self, "_receiver", None)
+        received = receiver.statistics() if receiver is not None else dict.fromkeys(
+            ("manifests_rejected", "corrupt_chunks", "repair_requests", "chunks_forwarded"), 0
+        )
+        self.counters["manifests_rejected"] = int(received["manifests_rejected"])
+        self.counters["corrupt_chunks"] = int(received["corrupt_chunks"])
         return {
             **self.counters,
+            "weight_repair_requests": received["repair_requests"],
+            "weight_chunks_forwarded": received["chunks_forwarded"],
             "installed_version": version,
             "generate_s": self.generate_s,
             "wait_weights_s": self.wait_weights_s,
@@ -147,6 +177,9 @@ class Sampler(Actor):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.close()
 
     # -- loops -----------------------------------------------------------------------
 
@@ -168,39 +201,16 @@ class Sampler(Actor):
                     self.counters["leases_revoked"] += 1
 
     async def _receive_weights(self) -> None:
-        while True:
-            for message in await self._weights.recv_many():
-                if isinstance(message, WeightManifest):
-                    self._on_manifest(message)
-                elif isinstance(message, WeightChunk):
-                    self._on_chunk(message)
+        await self._receiver.run()
 
-    def _is_newer(self, key: tuple[int, int]) -> bool:
-        newest = max(
-            (k for k in (self._installed, _key(self._ready), _key(self._assembling)) if k is not None),
-            default=None,
-        )
-        return newest is None or key > newest
-
-    def _on_manifest(self, manifest: WeightManifest) -> None:
-        if not self._is_newer((manifest.incarnation, manifest.version)):
+    def _on_complete(self, assembler: SnapshotAssembler) -> None:
+        """A version is complete and verified: install it between generation batches."""
+        if self._installed is not None and assembler.key <= self._installed:
             return
-        try:
-            self._assembling = SnapshotAssembler(manifest)
-        except ManifestRejected as exc:
-            self.counters["manifests_rejected"] += 1
-            self.ctx.log.warning("rejected manifest v%d: %s", manifest.version, exc)
-
-    def _on_chunk(self, chunk: WeightChunk) -> None:
-        assembler = self._assembling
-        if assembler is None:
+        if self._ready is not None and assembler.key <= self._ready.key:
             return
-        before = assembler.corrupt_chunks
-        assembler.add(chunk)
-        self.counters["corrupt_chunks"] += assembler.corrupt_chunks - before
-        if assembler.complete:
-            self._ready, self._assembling = assembler, None
-            self._weights_ready.set()
+        self._ready = assembler
+        self._weights_ready.set()
 
     async def _install_ready(self) -> None:
         ready, self._ready = self._ready, None
@@ -213,6 +223,7 @@ class Sampler(Actor):
         self._installed = (incarnation, version)
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
+        await self._receiver.report_installed((incarnation, version), install_s)
         await self.ctx.publish_telemetry(
             INSTALLED_TOPIC,
             WeightsInstalled(
@@ -281,10 +292,6 @@ class Sampler(Actor):
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
         await self._tasks.send(WorkRequest(sampler_id=self.name, credits=len(batch)))
-
-
-def _key(assembler: SnapshotAssembler | None) -> tuple[int, int] | None:
-    return assembler.key if assembler is not None else None
 
 
 def _params(lease: TaskLease) -> tuple[int, float, float, int]:

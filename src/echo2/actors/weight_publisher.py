@@ -1,20 +1,29 @@
-"""WeightPublisher: turns the Learner's snapshots into verified chunks on the weights topic.
+"""WeightPublisher: disseminates the Learner's snapshots as verified chunks, relayed by peers.
 
-Role: dissemination. For each ``Snapshot`` it builds a ``WeightManifest`` (layout, a
-BLAKE2b-256 digest per chunk and for the whole) and publishes the manifest, then the
-chunks, on topic ``w|``. Chunks are views into the snapshot: no copy on the hot path.
+Role: dissemination (``echo2.transport.weights.WeightBroadcaster`` does the work). For each
+``Snapshot`` it builds a ``WeightManifest`` (layout, a SHA-256 digest per chunk and for
+the whole) in a worker thread, computes a ``RelayPlan`` from the live samplers (those whose
+``WeightSubscribe`` lease is fresh), sends each the plan and the manifest, and streams the
+chunks to the seeds: every sampler in ``star`` mode, the head of one chain in ``relay``
+mode, the heads of ``stripes`` rotated chains in ``striped`` mode. Samplers forward each
+verified chunk down their chain as it lands. Chunks are views into the snapshot: no copy,
+and the snapshot is never written (the Learner hands over a fresh buffer each time).
 
-Late joiners: the XPUB socket reports each new subscription, and the latest version is
-published again at once, so a sampler that joins (or restarts) mid-run installs the
-current policy without waiting for the next publication. Samplers ignore versions they
-already have.
+Repair and late joiners: a sampler missing chunks (lost, corrupt, dead predecessor) asks
+for them with ``ChunkRequest``; a sampler that joins late gets the latest manifest at once
+and repairs the whole version from here, without waiting for a publication.
+
+T_bcast: from publication until ``ceil(active / gamma)`` of the samplers active at
+publication have reported ``WeightsInstalled`` (on the reliable ``weights`` channel);
+recorded as ``broadcast`` metrics and exposed as ``t_bcast_s`` in ``statistics()``.
 
 Input: ``snapshots`` (PULL, bound; the Learner connects, inproc when co-located).
-Output: ``weights`` (XPUB, bound; samplers subscribe).
+Control: ``weights`` (ROUTER, bound; samplers connect a DEALER).
+Data: one PUSH per seed, connected to the seed's relay inbox (announced address).
 
-Backpressure: XPUB with NODROP and ``on_full="block"``: a chunk is never dropped at the
-high-water mark; the publisher waits for the slowest subscriber's queue instead. Only the
-newest snapshot matters: if several are queued, older ones are skipped (counted).
+Backpressure: PUSH and ROUTER block at the high-water mark, never drop; a send that cannot
+finish in ``send_timeout_s`` skips that seed for the version (its chain repairs). Only the
+newest snapshot matters: a newer one stops the stream of the older (counted).
 
 Shutdown: on ``stopping`` it returns.
 """
@@ -22,19 +31,44 @@ Shutdown: on ``stopping`` it returns.
 from __future__ import annotations
 
 import asyncio
-import time
+import math
 from typing import ClassVar
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors.common import run_until_stopped
-from echo2.messages import Snapshot, WeightManifest
-from echo2.transport.broadcast import DEFAULT_CHUNK_BYTES, WEIGHTS_TOPIC, iter_chunks, make_manifest
+from echo2.messages import Snapshot
+from echo2.transport.broadcast import DEFAULT_CHUNK_BYTES, make_manifest
+from echo2.transport.link import LinkSpec
+from echo2.transport.weights import GAMMA, WeightBroadcaster
 
 
 class WeightPublisherConfig(ActorConfig):
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    hwm_chunks: int = 1024
-    """Per-subscriber queue, in messages; at least a whole snapshot's chunks."""
+    """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
+    mode: str = "relay"
+    """"star" (send to every sampler), "relay" (one chain) or "striped" (``stripes`` chains)."""
+    stripes: int = 2
+    """Chains in striped mode."""
+    uplink_mbps: float = 0.0
+    """Emulated uplink cap on the weight path, Mbit/s (0: uncapped)."""
+    member_ttl_s: float = 5.0
+    """A sampler not heard from (``WeightSubscribe``) for this long leaves the plan."""
+    send_timeout_s: float = 10.0
+    """A chunk send that cannot complete in this long marks the peer dead for the version."""
+    gamma: float = GAMMA
+    """T_bcast counts until ceil(active / gamma) samplers installed the version."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("star", "relay", "striped"):
+            raise ValueError("mode must be 'star', 'relay' or 'striped'")
+        if self.chunk_bytes < 1024 or self.chunk_bytes > 32 * 1024 * 1024:
+            raise ValueError("chunk_bytes must be in [1 KiB, 32 MiB]")
+        if self.stripes < 1:
+            raise ValueError("stripes must be >= 1")
+        if self.uplink_mbps < 0:
+            raise ValueError("uplink_mbps must be >= 0")
+        if self.gamma < 1.0:
+            raise ValueError("gamma must be >= 1")
 
 
 class WeightPublisher(Actor):
@@ -42,63 +76,67 @@ class WeightPublisher(Actor):
     Config = WeightPublisherConfig
     ports: ClassVar[dict[str, Port]] = {
         "snapshots": Port("pull", bind=True, hwm=4),
-        "weights": Port("pub", bind=True),
+        "weights": Port("router", bind=True),
     }
     config: WeightPublisherConfig
 
     async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
-        from echo2.transport import SocketOptions
-
         await super().setup(ctx)
         self._snapshots = ctx.open("snapshots")
-        self._weights = ctx.open("weights", options=SocketOptions(hwm=self.config.hwm_chunks))
-        self._latest: tuple[Snapshot, WeightManifest] | None = None
-        self._new = asyncio.Event()
-        self._resend = False
-        self.counters = {"published": 0, "republished_for_joiners": 0, "skipped": 0, "chunks_sent": 0}
-        self.last_publish_s = 0.0
+        self._weights = ctx.open("weights")
+        self.broadcaster = WeightBroadcaster(
+            ctx.transport,
+            self._weights,
+            name=self.name,
+            mode=self.config.mode,
+            stripes=self.config.stripes,
+            chunk_bytes=self.config.chunk_bytes,
+            link=LinkSpec(uplink_mbps=self.config.uplink_mbps),
+            member_ttl_s=self.config.member_ttl_s,
+            send_timeout_s=self.config.send_timeout_s,
+            gamma=self.config.gamma,
+            on_bcast=self._on_bcast,
+        )
+        self.counters = {"snapshots": 0, "skipped": 0}
+
+    def _on_bcast(self, values: dict) -> None:  # type: ignore[type-arg]
+        self.ctx.record("broadcast", **values)
+        self.ctx.log.debug(
+            "T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"]
+        )
 
     def statistics(self) -> dict[str, float]:
-        version = self._latest[1].version if self._latest else -1
-        return {**self.counters, "latest_version": version, "last_publish_s": self.last_publish_s}
+        stats = self.broadcaster.statistics()
+        key = self.broadcaster.latest_key
+        t = stats.pop("t_bcast_s")
+        return {
+            **self.counters,
+            **stats,
+            "latest_version": key[1] if key else -1,
+            "t_bcast_s": t if not math.isnan(t) else -1.0,
+        }
+
+    async def aclose(self) -> None:
+        broadcaster = getattr(self, "broadcaster", None)
+        if broadcaster is not None:
+            broadcaster.close()
 
     async def run(self) -> None:
         await run_until_stopped(
-            self.ctx.stopping, self._receive_snapshots(), self._watch_subscribers(), self._publish_loop()
+            self.ctx.stopping, self._receive_snapshots(), self.broadcaster.run()
         )
 
     async def _receive_snapshots(self) -> None:
         while True:
-            batch = [m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)]
+            batch = [
+                m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)
+            ]
             if not batch:
                 continue
             newest = max(batch, key=lambda s: (s.incarnation, s.version))
-            if self._new.is_set():
-                self.counters["skipped"] += 1
+            self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
-            self._latest = (newest, await asyncio.to_thread(make_manifest, newest, self.config.chunk_bytes))
-            self._new.set()
-
-    async def _watch_subscribers(self) -> None:
-        while True:
-            await self._weights.wait_subscriber(WEIGHTS_TOPIC)
-            if self._latest is not None:
-                self._resend = True
-                self.counters["republished_for_joiners"] += 1
-                self._new.set()
-
-    async def _publish_loop(self) -> None:
-        while True:
-            await self._new.wait()
-            self._new.clear()
-            self._resend = False
-            if self._latest is None:
-                continue
-            snapshot, manifest = self._latest
-            started = time.perf_counter()
-            await self._weights.publish(WEIGHTS_TOPIC, manifest)
-            for chunk in iter_chunks(snapshot, manifest):
-                await self._weights.publish(WEIGHTS_TOPIC, chunk)
-                self.counters["chunks_sent"] += 1
-            self.counters["published"] += 1
-            self.last_publish_s = time.perf_counter() - started
+            manifest = await asyncio.to_thread(
+                make_manifest, newest, self.config.chunk_bytes
+            )
+            self.broadcaster.publish_nowait(newest, manifest)

@@ -14,7 +14,7 @@ Two components on top of the pure chunk layer (``echo2.transport.broadcast``):
   channel, not on lossy telemetry).
 * ``WeightReceiver`` (sampler side). It binds a PULL inbox, assembles a version into memory
   allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
-  worker thread: BLAKE2b releases the GIL), forwards every verified chunk of the stripes
+  worker thread: hashing releases the GIL), forwards every verified chunk of the stripes
   it relays to its successor the moment it lands (a PUSH per successor), and hands a
   complete, verified version to ``on_complete``. Gap detection: when a version makes no
   progress for ``gap_timeout_s`` the missing chunks are requested from the publisher
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -69,8 +68,14 @@ from echo2.transport.broadcast import (
     make_manifest,
 )
 from echo2.transport.context import Transport
-from echo2.transport.endpoint import DealerEndpoint, PullEndpoint, PushEndpoint, RouterEndpoint, SocketOptions
-from echo2.transport.link import DelayLine, LinkSpec, TokenBucket
+from echo2.transport.endpoint import (
+    DealerEndpoint,
+    PullEndpoint,
+    PushEndpoint,
+    RouterEndpoint,
+    SocketOptions,
+)
+from echo2.transport.link import DelayLine, LinkSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,7 @@ RELAY_HWM = 8
 """Chunks queued per relay hop: enough to keep a link busy, few enough that a dead peer
 strands little and the sender is paced by its receiver."""
 GAMMA = 1.1
+NO_LINK = LinkSpec()
 MAX_REPAIR_INDICES = 1024
 _IPC_PATH_MAX = 100
 
@@ -91,7 +97,9 @@ def _max_message_bytes(chunk_bytes: int) -> int:
 # -- plans -------------------------------------------------------------------------------
 
 
-def relay_plan(members: Sequence[str], mode: str, stripes: int = 1) -> tuple[int, list[RelayChain]]:
+def relay_plan(
+    members: Sequence[str], mode: str, stripes: int = 1
+) -> tuple[int, list[RelayChain]]:
     """``(stripes, chains)`` for one version. Pure.
 
     star: one single-member chain per member (the publisher sends everything to all);
@@ -109,7 +117,10 @@ def relay_plan(members: Sequence[str], mode: str, stripes: int = 1) -> tuple[int
     if mode == "relay" or stripes <= 1:
         return 1, [RelayChain(0, names)]
     n = len(names)
-    return stripes, [RelayChain(s, names[s * n // stripes :] + names[: s * n // stripes]) for s in range(stripes)]
+    return stripes, [
+        RelayChain(s, names[s * n // stripes :] + names[: s * n // stripes])
+        for s in range(stripes)
+    ]
 
 
 def bcast_threshold(active: int, gamma: float = GAMMA) -> int:
@@ -180,7 +191,7 @@ class WeightReceiver:
         control: DealerEndpoint,
         *,
         name: str,
-        link: LinkSpec = LinkSpec(),
+        link: LinkSpec = NO_LINK,
         relay_host: str = "",
         gap_timeout_s: float = 2.0,
         announce_s: float = 1.0,
@@ -188,6 +199,7 @@ class WeightReceiver:
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES,
         on_complete: Callable[[SnapshotAssembler], None] | None = None,
         max_early_chunks: int = 4096,
+        verify_threads: int = 2,
     ) -> None:
         self.name = name
         self._transport = transport
@@ -216,7 +228,11 @@ class WeightReceiver:
         self._early: dict[Key, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[Key, str, WeightChunk]] = asyncio.Queue()
         self._pushes: dict[str, PushEndpoint] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"verify-{name}")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            verify_threads, thread_name_prefix=f"verify-{name}"
+        )
+        self._slots = asyncio.Semaphore(verify_threads)
+        self._group: asyncio.TaskGroup | None = None
         self.counters = dict.fromkeys(
             (
                 "manifests_rejected",
@@ -238,13 +254,19 @@ class WeightReceiver:
 
     def open(self) -> str:
         """Bind the relay inbox; returns the address announced to the publisher."""
-        control_url = self._control.endpoints[0] if self._control.endpoints else "inproc://x"
+        control_url = (
+            self._control.endpoints[0] if self._control.endpoints else "inproc://x"
+        )
         self._inbox = self._transport.pull(
             name=f"{self.name}.relay",
             bind=[relay_bind_url(control_url, self.name)],
-            options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)),
+            options=SocketOptions(
+                hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)
+            ),
         )
-        self.relay_address = announce_url(self._inbox.endpoints[0], control_url, self._relay_host)
+        self.relay_address = announce_url(
+            self._inbox.endpoints[0], control_url, self._relay_host
+        )
         return self.relay_address
 
     def close(self) -> None:
@@ -259,6 +281,7 @@ class WeightReceiver:
         if self._inbox is None:
             self.open()
         async with asyncio.TaskGroup() as group:
+            self._group = group
             group.create_task(self._control_loop())
             group.create_task(self._relay_loop())
             group.create_task(self._announce_loop())
@@ -278,7 +301,11 @@ class WeightReceiver:
         return self._complete_key
 
     def newest(self) -> Key | None:
-        keys = [k for k in (self._complete_key, self.assembling, self._installed_key) if k is not None]
+        keys = [
+            k
+            for k in (self._complete_key, self.assembling, self._installed_key)
+            if k is not None
+        ]
         return max(keys) if keys else None
 
     def statistics(self) -> dict[str, float]:
@@ -290,10 +317,16 @@ class WeightReceiver:
 
     async def report_installed(self, key: Key, install_s: float) -> None:
         """Tell the publisher this version is installed (T_bcast counts it)."""
-        self._installed_key = key if self._installed_key is None else max(key, self._installed_key)
+        self._installed_key = (
+            key if self._installed_key is None else max(key, self._installed_key)
+        )
         await self._control.send(
             WeightsInstalled(
-                sampler_id=self.name, incarnation=key[0], version=key[1], install_s=install_s, time_s=time.time()
+                sampler_id=self.name,
+                incarnation=key[0],
+                version=key[1],
+                install_s=install_s,
+                time_s=time.time(),
             )
         )
 
@@ -322,12 +355,24 @@ class WeightReceiver:
         if self._delay is not None:
             self._delay.put_nowait(chunk)
         else:
-            await self._on_chunk(chunk)
+            await self._verify_soon(chunk)
 
     async def _delayed_loop(self) -> None:
         assert self._delay is not None
         while True:
-            await self._on_chunk(await self._delay.get())
+            await self._verify_soon(await self._delay.get())
+
+    async def _verify_soon(self, chunk: WeightChunk) -> None:
+        """Verify up to ``verify_threads`` chunks at once while the next ones arrive."""
+        await self._slots.acquire()
+        assert self._group is not None
+        self._group.create_task(self._verify_then_release(chunk))
+
+    async def _verify_then_release(self, chunk: WeightChunk) -> None:
+        try:
+            await self._on_chunk(chunk)
+        finally:
+            self._slots.release()
 
     def _on_plan(self, plan: RelayPlan) -> None:
         key = (plan.incarnation, plan.version)
@@ -343,7 +388,11 @@ class WeightReceiver:
         plan, assembler = self._plan, self._assembler
         self._successors = {}
         self._dead_successors = set()
-        if plan is None or assembler is None or (plan.incarnation, plan.version) != assembler.key:
+        if (
+            plan is None
+            or assembler is None
+            or (plan.incarnation, plan.version) != assembler.key
+        ):
             return
         for chain in plan.chains:
             if self.name in chain.members:
@@ -375,7 +424,9 @@ class WeightReceiver:
             assembler = SnapshotAssembler(manifest)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
-            log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
+            log.warning(
+                "%s: rejected manifest v%d: %s", self.name, manifest.version, exc
+            )
             return
         self._assembler = assembler
         self._progress = _Progress(time.monotonic())
@@ -393,24 +444,30 @@ class WeightReceiver:
         assembler = self._assembler
         if assembler is None or key != assembler.key:
             newest = self.newest()
-            if (newest is None or key > newest) and sum(map(len, self._early.values())) < self._max_early:
-                self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
+            if (newest is None or key > newest) and sum(
+                map(len, self._early.values())
+            ) < self._max_early:
+                self._early.setdefault(key, []).append(
+                    chunk
+                )  # the manifest is on its way
             else:
                 self.counters["chunks_stale"] += 1
             return
-        before = assembler.corrupt_chunks
         loop = asyncio.get_running_loop()
-        stored = await loop.run_in_executor(self._pool, assembler.add, chunk)
-        self.counters["corrupt_chunks"] += assembler.corrupt_chunks - before
-        if assembler is not self._assembler:
-            return  # superseded while verifying
-        if not stored:
-            if assembler.corrupt_chunks == before:
-                self.counters["chunks_duplicate"] += 1
+        outcome = await loop.run_in_executor(self._pool, assembler.offer, chunk)
+        if outcome == "corrupt":
+            self.counters["corrupt_chunks"] += 1
+        elif outcome == "duplicate":
+            self.counters["chunks_duplicate"] += 1
+        if outcome != "stored":
             return
         self.counters["chunks_received"] += 1
-        self._progress.last_s = time.monotonic()
+        # Forward even if the version completed meanwhile (another chunk verified in
+        # parallel finished it): the successor still needs this chunk.
         self._queue_forward(assembler, chunk.index, chunk)
+        if assembler is not self._assembler:
+            return  # completed by a parallel verification, or superseded
+        self._progress.last_s = time.monotonic()
         if assembler.complete:
             self._assembler = None
             self._complete_key = assembler.key
@@ -418,7 +475,9 @@ class WeightReceiver:
             if self._on_complete is not None:
                 self._on_complete(assembler)
 
-    def _queue_forward(self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None) -> None:
+    def _queue_forward(
+        self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None
+    ) -> None:
         plan = self._plan
         if not self._successors or plan is None:
             return
@@ -437,7 +496,9 @@ class WeightReceiver:
             push = self._transport.push(
                 name=f"{self.name}.relay->{address}",
                 connect=[address],
-                options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)),
+                options=SocketOptions(
+                    hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)
+                ),
             )
             self._pushes[address] = push
         return push
@@ -446,11 +507,15 @@ class WeightReceiver:
         while True:
             key, address, chunk = await self._forward.get()
             newest = self.newest()
-            if (newest is not None and key < newest) or address in self._dead_successors:
+            if (
+                newest is not None and key < newest
+            ) or address in self._dead_successors:
                 continue
             await self._uplink.acquire(chunk.data.nbytes)
             try:
-                sent = await asyncio.wait_for(self._push(address).send(chunk), self.send_timeout_s)
+                sent = await asyncio.wait_for(
+                    self._push(address).send(chunk), self.send_timeout_s
+                )
             except (TimeoutError, ClosedError, TransportError):
                 sent = False
             if sent:
@@ -485,7 +550,10 @@ class WeightReceiver:
             if assembler is None:
                 continue
             now = time.monotonic()
-            if now - max(self._progress.last_s, self._progress.requested_s) >= self.gap_timeout_s:
+            if (
+                now - max(self._progress.last_s, self._progress.requested_s)
+                >= self.gap_timeout_s
+            ):
                 await self._request_missing(assembler)
 
     async def _request_missing(self, assembler: SnapshotAssembler) -> None:
@@ -497,7 +565,12 @@ class WeightReceiver:
         self.counters["repair_chunks_requested"] += len(missing)
         incarnation, version = assembler.key
         await self._control.send(
-            ChunkRequest(sampler_id=self.name, incarnation=incarnation, version=version, indices=missing)
+            ChunkRequest(
+                sampler_id=self.name,
+                incarnation=incarnation,
+                version=version,
+                indices=missing,
+            )
         )
 
 
@@ -543,7 +616,7 @@ class WeightBroadcaster:
         mode: str = "relay",
         stripes: int = 2,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        link: LinkSpec = LinkSpec(),
+        link: LinkSpec = NO_LINK,
         member_ttl_s: float = 5.0,
         send_timeout_s: float = 5.0,
         gamma: float = GAMMA,
@@ -593,7 +666,9 @@ class WeightBroadcaster:
 
     # -- API -------------------------------------------------------------------------
 
-    def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
+    def publish_nowait(
+        self, snapshot: Snapshot, manifest: WeightManifest | None = None
+    ) -> None:
         """Make ``snapshot`` the latest version and start streaming it (the previous
         stream, if still running, stops: only the newest version matters)."""
         if manifest is None:
@@ -603,7 +678,11 @@ class WeightBroadcaster:
 
     def members(self) -> list[str]:
         now = time.monotonic()
-        for name in [n for n, m in self._members.items() if now - m.last_seen_s > self.member_ttl_s]:
+        for name in [
+            n
+            for n, m in self._members.items()
+            if now - m.last_seen_s > self.member_ttl_s
+        ]:
             del self._members[name]
             self.counters["members_expired"] += 1
         return list(self._members)
@@ -621,7 +700,10 @@ class WeightBroadcaster:
     async def wait_installed(self, key: Key, count: int) -> None:
         async with self._changed:
             await self._changed.wait_for(
-                lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count
+                lambda: (
+                    sum(1 for m in self._members.values() if m.installed >= key)
+                    >= count
+                )
             )
 
     @property
@@ -668,20 +750,25 @@ class WeightBroadcaster:
     async def _on_subscribe(self, peer: bytes, message: WeightSubscribe) -> None:
         now = time.monotonic()
         member = self._members.get(message.sampler_id)
-        if member is None or member.address != message.relay_address or member.peer != peer:
+        joined = member is None
+        restarted = member is not None and (
+            member.address != message.relay_address or member.peer != peer
+        )
+        if member is None or restarted:
             member = _Member(peer, message.relay_address, now)
             self._members[message.sampler_id] = member
-            fresh = True
-        else:
-            fresh = False
         member.last_seen_s = now
-        member.installed = max(member.installed, (message.incarnation, message.installed_version))
+        member.installed = max(
+            member.installed, (message.incarnation, message.installed_version)
+        )
         latest = self._latest
         if latest is None or member.installed >= latest.key:
             return
         in_stream = message.sampler_id in latest.active
-        overdue = now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
-        if (fresh and not in_stream) or overdue:
+        overdue = (
+            now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
+        )
+        if (joined and not in_stream) or restarted or overdue:
             # Late joiner (or a member that lost track): the latest version at once.
             member.manifest_sent_s = now
             self.counters["late_joiner_manifests"] += 1
@@ -718,7 +805,9 @@ class WeightBroadcaster:
 
     async def _send(self, peer: bytes, message: Any) -> bool:
         try:
-            ok = await asyncio.wait_for(self._control.send(peer, message), self.send_timeout_s)
+            ok = await asyncio.wait_for(
+                self._control.send(peer, message), self.send_timeout_s
+            )
         except TimeoutError:
             ok = False
         if not ok:
@@ -738,8 +827,7 @@ class WeightBroadcaster:
             if current is not None and not current.done():
                 current.cancel()
                 self.counters["superseded"] += 1
-                with contextlib.suppress(asyncio.CancelledError):
-                    await current
+                await asyncio.wait([current])  # our own cancellation still propagates
             current = group.create_task(self._stream(version))
 
     async def _stream(self, version: _Version) -> None:
@@ -785,7 +873,10 @@ class WeightBroadcaster:
             push = self._transport.push(
                 name=f"{self.name}.seed->{address}",
                 connect=[address],
-                options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(self.chunk_bytes)),
+                options=SocketOptions(
+                    hwm=RELAY_HWM,
+                    max_message_bytes=_max_message_bytes(self.chunk_bytes),
+                ),
             )
             self._pushes[address] = push
         try:
