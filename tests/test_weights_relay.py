@@ -66,7 +66,11 @@ class Harness:
         self.complete: dict[str, list[SnapshotAssembler]] = {}
 
     def add(
-        self, name: str, link: LinkSpec = NO_LINK, gap_timeout_s: float = 0.3
+        self,
+        name: str,
+        link: LinkSpec = NO_LINK,
+        gap_timeout_s: float = 0.3,
+        verify_manifest=None,  # type: ignore[no-untyped-def]
     ) -> WeightReceiver:
         control = self.transport.dealer(
             name=f"{name}.weights", connect=[self.url], identity=name.encode()
@@ -89,6 +93,7 @@ class Harness:
             send_timeout_s=1.0,
             chunk_bytes_hint=CHUNK,
             on_complete=done,
+            verify_manifest=verify_manifest,
         )
         receiver.open()
         self.receivers[name] = receiver

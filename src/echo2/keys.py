@@ -21,7 +21,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m echo2.keys", description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("names", nargs="+")
+    parser.add_argument(
+        "--sign",
+        action="store_true",
+        help="make Ed25519 manifest-signing pairs (NAME.sign.pem, NAME.sign.pub.pem) instead",
+    )
     args = parser.parse_args(argv)
+    if args.sign:
+        from echo2.transport.signing import make_signing_keypair
+
+        for name in args.names:
+            if (args.directory / f"{name}.sign.pem").exists():
+                print(f"echo2.keys: {args.directory / name}.sign.pem exists; not overwriting", file=sys.stderr)
+                return 2
+        for name in args.names:
+            public, private = make_signing_keypair(args.directory, name)
+            print(f"{name}: public {public}  private {private}")
+        return 0
     for name in args.names:
         if (args.directory / f"{name}.key_secret").exists():
             print(f"echo2.keys: {args.directory / name}.key_secret exists; not overwriting", file=sys.stderr)

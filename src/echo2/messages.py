@@ -280,6 +280,8 @@ class WeightManifest(Message):
     digest: bytes
     published_at_s: float
     digest_algorithm: str = "sha256"
+    signature: bytes = b""
+    """Ed25519 over ``echo2.transport.signing.signed_payload`` when signing is on."""
 
 
 class WeightChunk(Message):

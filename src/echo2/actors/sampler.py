@@ -74,6 +74,8 @@ class SamplerConfig(ActorConfig):
     """Address peers reach this sampler's relay inbox at over tcp (default: this host's
     address on the route to the publisher)."""
     gap_timeout_s: float = 2.0
+    manifest_verify_key: str = ""
+    """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
     """A version making no progress for this long has its missing chunks repaired."""
 
 
@@ -116,6 +118,7 @@ class Sampler(Actor):
             relay_host=self.config.relay_host,
             gap_timeout_s=self.config.gap_timeout_s,
             on_complete=self._on_complete,
+            verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
         )
         self._receiver.open()
         self._leases: deque[TaskLease] = deque()
@@ -331,3 +334,11 @@ def _to_group(
         finish_reasons=[c.finish_reason for c in completions],
         generate_s=generate_s,
     )
+
+
+def _manifest_verifier(public_key_path: str):  # type: ignore[no-untyped-def]
+    if not public_key_path:
+        return None
+    from echo2.transport.signing import ManifestVerifier
+
+    return ManifestVerifier(public_key_path).verify

@@ -57,6 +57,9 @@ class WeightPublisherConfig(ActorConfig):
     """A chunk send that cannot complete in this long marks the peer dead for the version."""
     gamma: float = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
+    signing_key: str = ""
+    """Ed25519 private key (PEM) to sign every manifest; samplers with the public key
+    install nothing else. Make one with ``python -m echo2.keys --sign``."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("star", "relay", "striped"):
@@ -82,6 +85,11 @@ class WeightPublisher(Actor):
 
     async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
         await super().setup(ctx)
+        self._signer = None
+        if self.config.signing_key:
+            from echo2.transport.signing import ManifestSigner
+
+            self._signer = ManifestSigner(self.config.signing_key)
         self._snapshots = ctx.open("snapshots")
         self._weights = ctx.open("weights")
         self.broadcaster = WeightBroadcaster(
@@ -139,4 +147,6 @@ class WeightPublisher(Actor):
             manifest = await asyncio.to_thread(
                 make_manifest, newest, self.config.chunk_bytes
             )
+            if self._signer is not None:
+                manifest = self._signer.sign(manifest)
             self.broadcaster.publish_nowait(newest, manifest)

@@ -198,9 +198,11 @@ class WeightReceiver:
         send_timeout_s: float = 5.0,
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES,
         on_complete: Callable[[SnapshotAssembler], None] | None = None,
+        verify_manifest: Callable[[WeightManifest], None] | None = None,
         max_early_chunks: int = 4096,
         verify_threads: int = 2,
     ) -> None:
+        self._verify_manifest = verify_manifest
         self.name = name
         self._transport = transport
         self._control = control
@@ -421,6 +423,8 @@ class WeightReceiver:
             self.counters["manifests_stale"] += 1
             return
         try:
+            if self._verify_manifest is not None:
+                self._verify_manifest(manifest)  # before any memory is committed to it
             assembler = SnapshotAssembler(manifest)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
