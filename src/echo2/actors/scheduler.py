@@ -12,10 +12,18 @@ Measured figures (``echo2.rl.capacity`` has the formulas):
 * ``T_train``: the Learner's ``train_s_mean`` (heartbeat stats), unless declared.
 * ``kappa``: the Learner's ``kappa`` (heartbeat stats), else ``max(1, S - 1)``.
 * ``T_bcast``: a WeightPublisher stat named ``t_bcast_s`` when one exists (the seam for the
-  publisher's own measurement); else, fallback, publication to install: the Learner's
-  ``published_at_s``/``published_version`` stats give when each version was published, and
-  each sampler's ``WeightsInstalled`` when it was installed; per version, the delay by which
-  ``ceil(active / gamma)`` active samplers had it, smoothed (EMA). Declared values win.
+  publisher's own measurement); else the publisher's ``last_publish_s`` (seconds to push a
+  snapshot's manifest and chunks to every subscriber: the transfer) plus the samplers' mean
+  ``install_s`` from ``WeightsInstalled`` (the reload); else 0. Publication to first
+  install (the Learner's ``published_at_s``/``published_version`` stats against the
+  samplers' ``WeightsInstalled``, earliest per version, EMA) is recorded as a diagnostic
+  (``t_first_install_s``), not used. Why not the paper's "until
+  1/gamma of the workers installed it" from install times: a sampler installs only when
+  it starts its next batch (between batches, and only once it has a lease), so install
+  times also measure batch lengths and idle waits for work, not the broadcast; with
+  S > kappa the samplers meanwhile keep generating on the older, still admissible, version
+  (measured: that quantile put the knee about twice too high, and an idle pool's delays
+  exceeded kappa * T_train, making mu_min unreachable). Declared values win.
 * ``mu_i``: delivered rollouts per second *of generation*: the sampler's generation rate
   over the last ``mu_window_s`` (``samples_generated`` / ``generate_s`` from its heartbeat
   stats) times the fraction of its rollouts the Buffer stored (``delivered_by_sampler``).
@@ -45,6 +53,7 @@ from dataclasses import dataclass, field
 from echo2.rl.capacity import ActivationController, Worker, cost_per_step, mu_min, mu_target, staleness_bound
 
 POLICIES = ("all", "cost_aware", "random")
+YIELD_LAG_S = 5.0
 
 
 @dataclass
@@ -76,6 +85,7 @@ class SchedulerDecision:
     target_mu: float | None
     t_train_s: float | None
     t_bcast_s: float
+    t_first_install_s: float | None
     kappa: int
     staleness_bound: int | None
     active_cost_per_hour: float  # dollars/h of the active samplers
@@ -102,6 +112,7 @@ class SchedulerDecision:
             "target_mu": _round(self.target_mu),
             "t_train_s": _round(self.t_train_s),
             "t_bcast_s": round(self.t_bcast_s, 4),
+            "t_first_install_s": _round(self.t_first_install_s),
             "kappa": self.kappa,
             "staleness_bound": self.staleness_bound,
             "active_cost_per_hour": round(self.active_cost_per_hour, 4),
@@ -167,6 +178,8 @@ class Scheduler:
         self._installs: dict[int, dict[str, float]] = {}  # version -> sampler -> unix seconds
         self._t_bcast_ema: float | None = None
         self._bcast_done: set[int] = set()
+        self._publish_s: float | None = None
+        self._install_s_ema: float | None = None
 
     # -- measurements ------------------------------------------------------------------
 
@@ -190,6 +203,8 @@ class Scheduler:
                     self._published_at[int(version)] = at
             if values.get("t_bcast_s", 0) > 0 and "train_s_mean" not in values:  # the publisher's seam
                 self._publisher_t_bcast_s = values["t_bcast_s"]
+            if "last_publish_s" in values and values.get("published", 0) > 0:  # the publisher
+                self._publish_s = values["last_publish_s"]
 
     def _observe_sampler(self, now_s: float, sampler_id: str, values: dict[str, float]) -> None:
         state = self._samplers.get(sampler_id)
@@ -207,9 +222,16 @@ class Scheduler:
         first, last = state.samples[0], state.samples[-1]
         d_generated, d_busy = last[1] - first[1], last[2] - first[2]
         if d_generated > 0 and d_busy > 0:
-            rate = d_generated / d_busy
-            kept = min(1.0, state.delivered / generated) if generated > 0 and state.delivered > 0 else 1.0
-            state.mu = rate * kept
+            state.mu = d_generated / d_busy * self._yield(state, now_s)
+
+    def _yield(self, state: _SamplerState, now_s: float) -> float:
+        """Fraction of a sampler's rollouts the Buffer stored. Rollouts take a while to reach
+        the Buffer, so delivered counts are compared with what was generated
+        ``YIELD_LAG_S`` earlier (clipped to 1); 1 until there is such a sample."""
+        old = [g for t, g, _ in state.samples if t <= now_s - YIELD_LAG_S and g > 0]
+        if not old or state.delivered <= 0:
+            return 1.0
+        return min(1.0, state.delivered / old[-1])
 
     def observe_delivered(self, delivered_by_sampler: dict[str, int]) -> None:
         """Cumulative rollouts each sampler has had stored in the Buffer."""
@@ -218,8 +240,12 @@ class Scheduler:
             if state is not None:
                 state.delivered = max(state.delivered, int(n))
 
-    def observe_install(self, sampler_id: str, version: int, time_s: float) -> None:
-        """A ``WeightsInstalled``: ``sampler_id`` installed ``version`` at unix ``time_s``."""
+    def observe_install(self, sampler_id: str, version: int, time_s: float, install_s: float = 0.0) -> None:
+        """A ``WeightsInstalled``: ``sampler_id`` installed ``version`` at unix ``time_s``,
+        which took ``install_s`` seconds."""
+        if install_s >= 0:
+            prev = self._install_s_ema
+            self._install_s_ema = install_s if prev is None else 0.9 * prev + 0.1 * install_s
         self._installs.setdefault(version, {})[sampler_id] = time_s
         self._update_t_bcast(version)
         for old in [v for v in self._installs if v < version - 16]:
@@ -231,12 +257,11 @@ class Scheduler:
         if at is None or version in self._bcast_done:
             return
         active = [s for s in self._active if s in self._samplers] or list(self._samplers)
-        need = max(1, math.ceil(len(active) / self.gamma))
-        delays = sorted(t - at for s, t in self._installs[version].items() if s in active)
-        if len(delays) < need:
+        delays = [t - at for s, t in self._installs[version].items() if s in active]
+        if not delays:
             return
         self._bcast_done.add(version)
-        delay = max(0.0, delays[need - 1])
+        delay = max(0.0, min(delays))
         self._t_bcast_ema = delay if self._t_bcast_ema is None else 0.7 * self._t_bcast_ema + 0.3 * delay
 
     # -- derived figures -----------------------------------------------------------------
@@ -251,7 +276,14 @@ class Scheduler:
             return self.declared_t_bcast_s
         if self._publisher_t_bcast_s is not None:
             return self._publisher_t_bcast_s
-        return self._t_bcast_ema or 0.0
+        if self._publish_s is not None:
+            return self._publish_s + (self._install_s_ema or 0.0)
+        return 0.0
+
+    @property
+    def t_first_install_s(self) -> float | None:
+        """Diagnostic only: publication to first install (EMA), see the module docstring."""
+        return self._t_bcast_ema
 
     @property
     def kappa(self) -> int:
@@ -330,6 +362,7 @@ class Scheduler:
             target_mu=target,
             t_train_s=t_train,
             t_bcast_s=self.t_bcast_s,
+            t_first_install_s=self.t_first_install_s,
             kappa=self.kappa,
             staleness_bound=bound,
             active_cost_per_hour=active_cost,
