@@ -123,6 +123,7 @@ class Sampler(Actor):
         self._receiver.open()
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
+        self._wake = asyncio.Event()  # work arrived or a version is ready to install
         self._weights_ready = asyncio.Event()
         self._ready: SnapshotAssembler | None = None
         self._installed: tuple[int, int] | None = None  # (incarnation, version)
@@ -199,6 +200,7 @@ class Sampler(Actor):
                 if isinstance(message, TaskLease):
                     self._leases.append(message)
                     self._have_work.set()
+                    self._wake.set()
                 elif isinstance(message, LeaseRevoked):
                     self._revoked.add(message.lease_id)
                     self.counters["leases_revoked"] += 1
@@ -214,6 +216,7 @@ class Sampler(Actor):
             return
         self._ready = assembler
         self._weights_ready.set()
+        self._wake.set()
 
     async def _install_ready(self) -> None:
         ready, self._ready = self._ready, None
@@ -255,9 +258,16 @@ class Sampler(Actor):
 
     async def _generate(self) -> None:
         while True:
-            await self._have_work.wait()
+            await self._wake.wait()
+            self._wake.clear()
+            # Install between batches, and also while idle or parked, so that a sampler
+            # given work later starts from current weights.
             await self._install_ready()
+            if not self._have_work.is_set():
+                continue
             batch = self._take_batch()
+            if self._leases:
+                self._wake.set()  # more queued: come straight back after this batch
             if not batch:
                 continue
             needed = max(lease.min_version for lease in batch)
