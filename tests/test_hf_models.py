@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers", reason="the HF path needs the 'hf' extra (transformers)")
-import torch  # noqa: E402
+import torch
 
-from echo2.engines.base import SamplingParams, make_engine  # noqa: E402
-from echo2.models.policy import load_policy  # noqa: E402
-from echo2.rl.logprobs import sequence_logprobs  # noqa: E402
+from echo2.engines.base import SamplingParams, make_engine
+from echo2.models.policy import load_policy
+from echo2.rl.logprobs import sequence_logprobs
 
 CHARS = "0123456789+=abcdefghijklmnopqrstuvwxyz ?.,"
 
@@ -72,7 +72,7 @@ def test_engine_logprobs_match_learner(llama_dir: Path) -> None:
             flat_r.append(c.token_ids)
             flat_lp.append(c.logprobs)
     with torch.no_grad():
-        logp, mask = sequence_logprobs(policy.model, flat_p, flat_r, pad_id=0)
+        logp, _ = sequence_logprobs(policy.model, flat_p, flat_r, pad_id=0)
     for b, lp in enumerate(flat_lp):
         np.testing.assert_allclose(logp[b, : len(lp)].numpy(), lp, atol=2e-4)
 
@@ -118,3 +118,78 @@ def test_chat_template(tmp_path: Path) -> None:
     plain = load_policy(str(tmp_path / "chat"), chat_template=False)
     assert policy.tokenizer.encode_prompt("1+2")[-1] == plain.tokenizer.encode_prompt("=")[-1]
     assert len(policy.tokenizer.encode_prompt("1+2")) > len(plain.tokenizer.encode_prompt("1+2"))
+
+
+class _Ctx:
+    """The bits of an actor context the Learner's build/step/evaluate touch."""
+
+    run_dir = None
+    resume = False
+
+    def ledger(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
+    """The Learner actor's HF path: build, evaluate, one GRPO step, publish -> sampler install."""
+    from echo2.actor import JobConfig
+    from echo2.actors.learner import Learner, LearnerConfig
+    from echo2.messages import RolloutGroup, ScoredGroup
+    from echo2.transport.broadcast import flatten_tensors, unflatten
+
+    job = JobConfig(model=str(llama_dir), task="addition", max_new_tokens=5, group_size=4, groups_per_step=1)
+    learner = Learner("learner", LearnerConfig(eval_prompts=3, warmup_steps=1, lr=1e-2), job)
+    learner.ctx = _Ctx()  # type: ignore[assignment]
+    learner._build()
+    assert learner.policy.kind == "hf"
+    assert 0.0 <= learner.evaluate() <= 1.0
+    sampler = make_engine("hf", model_dir=str(llama_dir), seed=0)
+    prompt = sampler.encode_prompt("12+34=")
+    (group,) = sampler.generate([prompt], 4, SamplingParams(temperature=1.0, max_new_tokens=5))
+    offsets = np.cumsum([0] + [len(c.token_ids) for c in group]).astype(np.int32)
+    scored = ScoredGroup(
+        group=RolloutGroup(
+            lease_id=0, task_id="t0", attempt=0, sampler_id="s", incarnation=0, version=0,
+            prompt="12+34=", answer="64", prompt_token_ids=np.array(prompt, dtype=np.int32),
+            token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
+            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32), offsets=offsets,
+            texts=[c.text for c in group], finish_reasons=[c.finish_reason for c in group],
+        ),
+        rewards=np.array([1.0, 0.0, 1.0, 0.0], dtype=np.float32),
+        keep=np.ones(4, dtype=bool),
+    )
+    before = {k: v.copy() for k, v in learner.policy.wire_tensors().items()}
+    record = learner._train_step([scored])
+    assert record["rollouts"] == 4 and np.isfinite(record["loss"])
+    specs, flat = flatten_tensors(learner.policy.wire_tensors())
+    assert any(not np.array_equal(before[s.name], v) for s, v in zip(specs, unflatten(specs, flat).values()))
+    sampler.install_weights(unflatten(specs, flat), 1)
+    assert [c.token_ids.tolist() for c in sampler.greedy([prompt], 5)] == [
+        c.token_ids.tolist() for c in learner._eval_engine.greedy([prompt], 5)
+    ]
+
+
+def test_close_stops_a_running_generate(llama_dir: Path) -> None:
+    """A closing engine ends a running decode at the next step (a Sampler's shutdown must not
+    wait for a long generation whose result nobody reads)."""
+    from echo2.engines.hf_engine import hf_decode_batch
+
+    policy = load_policy(str(llama_dir))
+    polls: list[int] = []
+
+    def should_stop() -> bool:
+        polls.append(1)
+        return len(polls) >= 3
+
+    tokens, _, lengths, hit_eos = hf_decode_batch(
+        policy.core, [[1, 4, 5]], 4, SamplingParams(max_new_tokens=50, seed=0),
+        eos_ids=[10_000], pad_id=0, should_stop=should_stop,
+    )
+    assert tokens.shape == (4, 3) and not hit_eos.any() and (lengths == 3).all()
+    engine = make_engine("hf", policy=policy)
+    engine.close()
+    with pytest.raises(RuntimeError):
+        engine.generate([[1, 4]], 1, SamplingParams())

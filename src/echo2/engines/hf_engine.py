@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,8 +56,14 @@ def hf_decode_batch(
     eos_ids: list[int],
     pad_id: int,
     generator: torch.Generator | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Like ``torch_engine.decode_batch`` for an HF model; same outputs (prompt-major rows)."""
+    """Like ``torch_engine.decode_batch`` for an HF model; same outputs (prompt-major rows).
+
+    ``should_stop`` is polled once per decode step; when it returns True decoding ends early
+    (rows end as "length"): a closing engine does not keep its process alive for a long
+    generation whose result nobody will read.
+    """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -80,7 +86,10 @@ def hf_decode_batch(
     attn = (torch.arange(width, device=device)[None, :] >= (width - lens)[:, None]).long()  # (P, W)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)  # (P, W)
     cache_arg = _cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True)
+    import inspect
+
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **last_only)
     cache = getattr(out, cache_arg)
     logits = out.logits[:, -1]  # (P, V)
     if n > 1:
@@ -109,7 +118,7 @@ def hf_decode_batch(
         done |= hit
         steps = t + 1
         n_done = int(done.sum())
-        if t == max_new - 1 or n_done == len(rows):
+        if t == max_new - 1 or n_done == len(rows) or (should_stop is not None and should_stop()):
             break
         if n_done * 4 >= len(rows) and hasattr(cache, "batch_select_indices"):
             keep = (~done).nonzero().squeeze(1)  # (A',)
@@ -127,7 +136,7 @@ def hf_decode_batch(
     return (
         tokens[:, :steps].to(torch.int32).cpu().numpy(),
         logprobs[:, :steps].cpu().numpy(),
-        lengths.cpu().numpy(),
+        lengths.clamp(max=steps).cpu().numpy(),
         hit_eos.cpu().numpy(),
     )
 
@@ -199,6 +208,7 @@ class HFTorchEngine(Engine):
                 tokens, logprobs, lengths, hit_eos = hf_decode_batch(
                     self._hf, prompts, n, params,
                     eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, generator=generator,
+                    should_stop=lambda: self._closed,
                 )
             finally:
                 self._hf.train(was_training)
@@ -234,6 +244,7 @@ class HFTorchEngine(Engine):
         return dict(self._layout)
 
     def close(self) -> None:
+        """Idempotent; a ``generate`` running in another thread stops at its next step."""
         self._closed = True
 
     def _check_open(self) -> None:

