@@ -104,7 +104,7 @@ class Rewarder(Actor):
     async def _score(self, rollout: RolloutGroup) -> ScoredGroup:
         started = time.perf_counter()
         prompt = Prompt(task_id=rollout.task_id, text=rollout.prompt, answer=rollout.answer)
-        results = await asyncio.gather(*(self._score_one(prompt, text) for text in rollout.texts))
+        results = await self._score_group(prompt, rollout.texts)
         rewards = np.zeros(len(results), dtype=np.float32)
         keep = np.zeros(len(results), dtype=bool)
         errors: dict[str, int] = {}
@@ -130,6 +130,20 @@ class Rewarder(Actor):
             reward_s=time.perf_counter() - started,
         )
 
+    async def _score_group(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
+        """All of a group's rewards in one worker-thread call (one hand-off, not G); if that
+        misses the group's deadline, fall back to one call per item to find the culprit."""
+        loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(self._pool, self._score_in_thread, prompt, texts)
+        try:
+            return await asyncio.wait_for(call, self.config.item_timeout_s * max(1, len(texts)))
+        except TimeoutError:
+            self._stuck += 1
+            return list(await asyncio.gather(*(self._score_one(prompt, text) for text in texts)))
+
+    def _score_in_thread(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
+        return [_checked(self._task.reward, prompt, text) for text in texts]
+
     async def _score_one(self, prompt: Prompt, completion: str) -> tuple[float, str]:
         """Returns (reward, "") or (0.0, reason)."""
         loop = asyncio.get_running_loop()
@@ -152,3 +166,18 @@ class Rewarder(Actor):
         if not math.isfinite(value):
             return 0.0, "not_finite"
         return value, ""
+
+
+def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """(reward, "") or (0.0, reason): user reward code may raise or return garbage."""
+    try:
+        reward = reward_fn(prompt, completion)
+    except Exception as exc:  # user code: any failure costs this item only
+        return 0.0, f"raised:{type(exc).__name__}"
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        return 0.0, "not_a_number"
+    if not math.isfinite(value):
+        return 0.0, "not_finite"
+    return value, ""
