@@ -275,11 +275,13 @@ class Buffer(Actor):
             await self._answer_pending()
 
     def _evict_stale(self) -> int:
-        kept = deque(g for g in self._store if self._admissible(g.group.version, g.group.incarnation))
-        evicted = len(self._store) - len(kept)
+        kept: deque[ScoredGroup] = deque()
         for g in self._store:
-            if not self._admissible(g.group.version, g.group.incarnation):
+            if self._admissible(g.group.version, g.group.incarnation):
+                kept.append(g)
+            else:
                 self.ctx.ledger("dropped", task=g.group.task_id, reason="stale", version=g.group.version)
+        evicted = len(self._store) - len(kept)
         if evicted:
             self._store = kept
             self._drop("stale", evicted)

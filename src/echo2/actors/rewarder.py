@@ -138,7 +138,7 @@ class Rewarder(Actor):
         try:
             return await asyncio.wait_for(call, self.config.item_timeout_s * max(1, len(texts)))
         except TimeoutError:
-            self._stuck += 1
+            self._thread_hung()
             return list(await asyncio.gather(*(self._score_one(prompt, text) for text in texts)))
 
     def _score_in_thread(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
@@ -147,25 +147,20 @@ class Rewarder(Actor):
     async def _score_one(self, prompt: Prompt, completion: str) -> tuple[float, str]:
         """Returns (reward, "") or (0.0, reason)."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self._task.reward, prompt, completion)
+        future = loop.run_in_executor(self._pool, _checked, self._task.reward, prompt, completion)
         try:
-            reward = await asyncio.wait_for(future, self.config.item_timeout_s)
+            return await asyncio.wait_for(future, self.config.item_timeout_s)
         except TimeoutError:
-            self._stuck += 1
-            if self._stuck % self.config.max_stuck_threads == 0:
-                self.ctx.log.warning("%d reward calls hung; starting a fresh thread pool", self._stuck)
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = self._new_pool()
+            self._thread_hung()
             return 0.0, "timeout"
-        except Exception as exc:  # user reward code: any failure costs this item only
-            return 0.0, f"raised:{type(exc).__name__}"
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            return 0.0, "not_a_number"
-        if not math.isfinite(value):
-            return 0.0, "not_finite"
-        return value, ""
+
+    def _thread_hung(self) -> None:
+        """A reward call missed its deadline and keeps its thread; renew the pool now and then."""
+        self._stuck += 1
+        if self._stuck % self.config.max_stuck_threads == 0:
+            self.ctx.log.warning("%d reward calls hung; starting a fresh thread pool", self._stuck)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
 
 
 def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:  # type: ignore[no-untyped-def]

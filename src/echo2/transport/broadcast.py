@@ -25,7 +25,6 @@ import numpy as np
 from echo2.messages import Snapshot, TensorSpec, WeightChunk, WeightManifest
 
 DEFAULT_CHUNK_BYTES = 1 << 20
-WEIGHTS_TOPIC = b"w|"
 
 
 DEFAULT_DIGEST = "sha256"
