@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -42,7 +43,7 @@ import numpy as np
 
 from echo2.messages import Snapshot
 from echo2.transport import Transport
-from echo2.transport.broadcast import SnapshotAssembler, flatten_tensors, make_manifest
+from echo2.transport.broadcast import DEFAULT_DIGEST, SnapshotAssembler, flatten_tensors, make_manifest
 from echo2.transport.link import LinkSpec
 from echo2.transport.weights import WeightBroadcaster, WeightReceiver
 
@@ -143,7 +144,7 @@ def digest_bandwidth(nbytes: int, chunk: int) -> float:
     return nbytes / (time.perf_counter() - started)
 
 
-def _gloo_rank(rank: int, world: int, port: int, nbytes: int, out: Any) -> None:
+def _gloo_rank(rank: int, world: int, port: int, nbytes: int, repeats: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -154,24 +155,26 @@ def _gloo_rank(rank: int, world: int, port: int, nbytes: int, out: Any) -> None:
     data = torch.zeros(nbytes, dtype=torch.uint8)
     if rank == 0:
         data += 7
-    dist.barrier()
-    started = time.perf_counter()
-    dist.broadcast(data, src=0)
-    dist.barrier()
-    elapsed = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.broadcast(data, src=0)
+        dist.barrier()
+        times.append(time.perf_counter() - started)
     if rank == 0:
-        out.put(elapsed)
+        out.put(statistics.median(times))
     dist.destroy_process_group()
 
 
-def gloo_broadcast_s(n: int, nbytes: int) -> float:
+def gloo_broadcast_s(n: int, nbytes: int, repeats: int = 1) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     procs = [
-        ctx.Process(target=_gloo_rank, args=(r, n + 1, port, nbytes, out))
+        ctx.Process(target=_gloo_rank, args=(r, n + 1, port, nbytes, repeats, out))
         for r in range(n + 1)
     ]
     for p in procs:
@@ -208,6 +211,7 @@ async def run_regime(
     sub_link: LinkSpec,
     pub_link: LinkSpec,
     stripes: int,
+    repeats: int = 1,
 ) -> dict[str, dict[str, float]]:
     transport = Transport()
     router = transport.router(name="bench.weights", bind=["tcp://127.0.0.1:0"])
@@ -247,29 +251,39 @@ async def run_regime(
                 version = 0
                 for mode in modes:
                     broadcaster.mode = mode
-                    # Warm-up: a small version opens this mode's connections (seeds, chains).
+                    # Warm-up: one version opens this mode's connections (seeds, chains).
+                    # Uncapped, it is full size, as every version of a real run is: the
+                    # measured one then lands in memory the receivers mapped in between
+                    # (``prefault_next``), the steady state. Capped, the link is the bound
+                    # and a small one saves minutes.
                     version += 1
-                    warm = make_snapshot(version, chunk * 2 * stripes)
+                    warm_bytes = nbytes if sub_link == LinkSpec() else chunk * 2 * stripes
+                    warm = make_snapshot(version, warm_bytes)
                     broadcaster.publish_nowait(warm, make_manifest(warm, chunk))
                     async with asyncio.timeout(120):
                         await broadcaster.wait_bcast((1, version))
-                    version += 1
-                    snap = make_snapshot(version, nbytes)
-                    manifest = make_manifest(snap, chunk)
-                    before = dict(broadcaster.counters)
-                    broadcaster.publish_nowait(snap, manifest)
-                    async with asyncio.timeout(600):
-                        t = await broadcaster.wait_bcast((1, version))
-                    after = broadcaster.counters
+                    times, repairs, stream = [], 0, 0
+                    for _ in range(repeats):
+                        version += 1
+                        snap = make_snapshot(version, nbytes)
+                        manifest = make_manifest(snap, chunk)
+                        before = dict(broadcaster.counters)
+                        broadcaster.publish_nowait(snap, manifest)
+                        async with asyncio.timeout(600):
+                            times.append(await broadcaster.wait_bcast((1, version)))
+                        after = broadcaster.counters
+                        repairs += after["repair_chunks_sent"] - before["repair_chunks_sent"]
+                        stream += after["stream_bytes"] - before["stream_bytes"]
+                    t = statistics.median(times)
                     results[mode] = {
                         "t_bcast_s": t,
-                        "repair_chunks": after["repair_chunks_sent"]
-                        - before["repair_chunks_sent"],
-                        "publisher_bytes": after["stream_bytes"]
-                        - before["stream_bytes"],
+                        "t_bcast_all_s": [round(x, 4) for x in times],
+                        "repair_chunks": repairs // repeats,
+                        "publisher_bytes": stream // repeats,
                     }
                     print(
-                        f"  {mode:8s} N={n}: T_bcast {t:7.3f} s",
+                        f"  {mode:8s} N={n}: T_bcast {t:7.3f} s"
+                        + (f" (median of {', '.join(f'{x:.3f}' for x in times)})" if repeats > 1 else ""),
                         file=sys.stderr,
                         flush=True,
                     )
@@ -301,6 +315,10 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument(
+        "--repeats", type=int, default=3,
+        help="uncapped: versions per mode (and raw TCP runs); medians are reported",
+    )
+    parser.add_argument(
         "--json", default="", help="write results as JSON here ('-': stdout)"
     )
     args = parser.parse_args()
@@ -313,10 +331,14 @@ def main() -> None:
         f"Bw = {bw:g} Mbit/s, G/Bw = {floor_s:.2f} s",
         file=sys.stderr,
     )
-    raw = raw_tcp_bandwidth(max(nbytes, 256 << 20))
-    print(f"raw TCP loopback: {raw / 1e9:.2f} GB/s", file=sys.stderr)
+    raws = [raw_tcp_bandwidth(max(nbytes, 256 << 20)) for _ in range(args.repeats)]
+    raw = statistics.median(raws)
+    print(
+        f"raw TCP loopback: {raw / 1e9:.2f} GB/s (median of {', '.join(f'{x / 1e9:.2f}' for x in raws)})",
+        file=sys.stderr,
+    )
     hashing = digest_bandwidth(nbytes, chunk)
-    print(f"chunk verification (sha256, one thread): {hashing / 1e9:.2f} GB/s", file=sys.stderr)
+    print(f"chunk verification ({DEFAULT_DIGEST}, one thread): {hashing / 1e9:.2f} GB/s", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for regime in args.regimes:
         if regime == "uncapped":
@@ -327,13 +349,16 @@ def main() -> None:
         print(f"regime {regime}", file=sys.stderr)
         for n in args.n:
             res = asyncio.run(
-                run_regime(n, args.modes, nbytes, chunk, sub, pub, args.stripes)
+                run_regime(
+                    n, args.modes, nbytes, chunk, sub, pub, args.stripes,
+                    repeats=args.repeats if regime == "uncapped" else 1,
+                )
             )
             for mode, r in res.items():
                 rows.append({"regime": regime, "mode": mode, "n": n, **r})
         if regime == "uncapped" and not args.no_gloo:
             for n in args.n:
-                t = gloo_broadcast_s(n, nbytes)
+                t = gloo_broadcast_s(n, nbytes, args.repeats)
                 print(f"  gloo     N={n}: {t:7.3f} s", file=sys.stderr, flush=True)
                 rows.append({"regime": regime, "mode": "gloo", "n": n, "t_bcast_s": t})
     # Ratios.

@@ -9,10 +9,12 @@ sleeps ``T_train`` (``simulated_train_s``), so 16-32 samplers fit on 2 cores.
 
 (a) Knee. For S in {1, 3}: a run with an ample pool (22 samplers) measures T_train, T_bcast
     (the WeightPublisher's, star mode) and mu_i (the PromptSource's scheduler records
-    them) and gives the predicted knee ``ceil(mu_min / mean mu_i)``; then pools at and below
-    it measure the bubble ratio. The measured knee is the smallest pool whose bubble stays
-    within ``KNEE_RISE`` of the ample pool's (and for every larger pool). Bubble ratios are
-    measured after ``SKIP_STEPS`` warm-up steps.
+    them); then pools around the prediction measure the bubble ratio. The measured knee is
+    the smallest pool whose bubble stays within ``KNEE_RISE`` of the ample pool's (and for
+    every larger pool); the predicted knee is the smallest pool whose model bubble
+    (``predicted_bubble_ratio``) is within ``KNEE_RISE`` of the model's ample-pool bubble
+    (0): one rule for both. ``ceil(mu_min / mean mu_i)``, where the model's bubble is exactly
+    0, is reported beside it. Bubble ratios are measured after ``SKIP_STEPS`` warm-up steps.
 (b) Mixed pool (prices and speeds like RTX 5090, RTX 4090 and A10 rentals): the same pool
     under ``activation = "cost_aware"`` and ``"random"``: dollars per step (samplers active
     + learner, integrated over the measurement window) and bubble ratios.
@@ -211,6 +213,20 @@ def _predicted_bubble(probe: dict[str, Any], pool_mu: float) -> float | None:
         return None
 
 
+def predicted_knee(probe: dict[str, Any], mu_mean: float, max_samplers: int = 64) -> int | None:
+    """The model's knee by the measured knee's own rule: the smallest pool whose predicted
+    bubble is at most ``KNEE_RISE`` (the model's ample-pool plateau is 0). ``mu_min`` itself
+    is the pool at which the predicted bubble reaches exactly 0, a stricter point than the
+    one measured; comparing the two would hold the model to a different criterion."""
+    for n in range(1, max_samplers + 1):
+        bubble = _predicted_bubble(probe, n * mu_mean)
+        if bubble is None:
+            return None
+        if bubble <= KNEE_RISE:
+            return n
+    return None
+
+
 def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> dict[str, Any]:
     probe_n = 24 if quick else 22
     probe = measure(
@@ -219,7 +235,8 @@ def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> d
     )
     log(f"S={staleness} probe n={probe_n}: {probe}")
     mu_min_v, mu_mean = probe.get("mu_min"), probe.get("mu_mean")
-    predicted = math.ceil(mu_min_v / mu_mean) if mu_min_v and mu_mean else None
+    zero_bubble = math.ceil(mu_min_v / mu_mean) if mu_min_v and mu_mean else None
+    predicted = predicted_knee(probe, mu_mean) if mu_mean else None
     points = {probe_n: probe}
     if predicted is None:  # mu_min unreachable or unmeasured: sweep below the probe anyway
         sizes = [probe_n - 6] if quick else [probe_n - 10, probe_n - 6, probe_n - 4, probe_n - 2]
@@ -257,6 +274,7 @@ def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> d
         "mu_per_sampler": mu_mean,
         "mu_min": mu_min_v,
         "predicted_knee": predicted,
+        "samplers_for_mu_min": zero_bubble,
         "measured_knee": measured,
         "knee_threshold": round(threshold, 4),
         "bubble_by_samplers": {str(n): points[n]["bubble_ratio"] for n in ordered},

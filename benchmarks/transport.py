@@ -7,7 +7,9 @@ For each transport and case, every contender moves the same messages, encoded an
 by the same echo2 ``Codec``, so the ratios isolate the transport layer (sockets, event
 loop, framing), not serialization:
 
-* ``echo2``: ``PushEndpoint.send`` per message, ``PullEndpoint.recv_many`` (the fast path);
+* ``echo2``: ``PushEndpoint.send`` per message, ``PullEndpoint.recv_many`` (the fast path),
+  with the defaults a user gets: small messages sent back to back leave in bundles of up to
+  64 (``SocketOptions.coalesce``); the producer ``flush()``es before its barrier;
 * ``raw-sync``: synchronous pyzmq PUSH/PULL, ``copy=False`` for large frames;
 * ``naive-asyncio``: ``zmq.asyncio``, awaiting every ``send_multipart``/``recv_multipart``;
 * ``mp-queue``: ``multiprocessing.Queue`` carrying the encoded frames (not for inproc).
@@ -176,9 +178,11 @@ async def echo2_send(env: Env, trial: Trial) -> None:
         message = CASE_BY_NAME[trial.case].message()
         for _ in range(trial.warmup):
             await push.send(message)
+        await push.flush()  # the barrier below blocks this loop: hand the last bundle over
         await _maybe_await(env.sync())
         for _ in range(trial.n):
             await push.send(message)
+        await push.flush()
         await _maybe_await(env.sync())
         push.close()
     finally:

@@ -190,6 +190,9 @@ async def test_expired_lease_is_reissued_with_next_attempt(transport: Transport)
             await completions.send(
                 LeaseClosed(lease_id=first.lease_id, task_id=first.task_id, attempt=0, outcome="expired")
             )
+            # Two sockets carry no order between them: ask again once the source took it in.
+            while source.counters["leases_expired"] < 1:
+                await asyncio.sleep(0)
             await sampler.send(WorkRequest(sampler_id="s0", credits=1))
             again = await sampler.recv()
             assert isinstance(again, TaskLease)

@@ -507,7 +507,8 @@ async def test_close_wakes_a_blocked_call_with_closed_error(
     transport: Transport, url_factory
 ) -> None:
     pull = transport.open("pull", name="pull", bind=[url_factory()])
-    push = transport.open("push", name="push")  # no peer: a PUSH send blocks at once
+    # No peer: a PUSH send blocks at once (without bundling, which accepts one bundle first).
+    push = transport.open("push", name="push", options=SocketOptions(coalesce=1))
     pub = transport.open("pub", name="pub", bind=[url_factory()])
     blocked = [
         asyncio.ensure_future(pull.recv()),
@@ -541,7 +542,10 @@ async def test_statistics_count_messages_and_bytes(transport: Transport, url_fac
     codec = Codec()
     big = np.arange(800_000, dtype=np.uint8)  # a separate frame
     messages: Sequence[Message] = [work(i) for i in range(9)] + [chunk(0, big)]
-    size = sum(len(memoryview(f).cast("B")) for m in messages for f in codec.encode(m))
+    # Bytes on the wire: the nine small messages, sent back to back, travel as one bundle.
+    size = len(Codec.bundle([codec.encode(m)[0] for m in messages[:9]])) + sum(
+        len(memoryview(f).cast("B")) for f in codec.encode(messages[9])
+    )
     async with (
         transport.open("pull", name="pull", bind=[url_factory()]) as pull,
         transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
@@ -556,6 +560,108 @@ async def test_statistics_count_messages_and_bytes(transport: Transport, url_fac
     assert (received.name, received.received, received.bytes_received) == ("pull", 10, size)
     assert received.decode_errors == received.dropped == received.queued == 0
     assert sent.received == received.sent == 0
+
+
+# ------------------------------------------------------------------------------- bundles
+
+
+async def test_small_messages_sent_back_to_back_travel_in_bundles_in_order(
+    transport: Transport, url_factory
+) -> None:
+    url = url_factory()
+    push = transport.open("push", name="push", bind=[url])
+    with raw_socket(transport, zmq.PULL, push.endpoints[0]) as pull:
+        sent = [work(i) for i in range(200)]
+        for message in sent:  # no await suspends here: one turn of the loop
+            await push.send(message)
+        await push.flush()
+        codec, got, wire_messages = Codec(), [], 0
+        while len(got) < len(sent):
+            decoded = codec.decode_any(pull.recv_multipart())
+            wire_messages += 1
+            got.extend(decoded if isinstance(decoded, list) else [decoded])
+        push.close()
+    assert got == sent
+    assert wire_messages == 4  # 200 = 64 + 64 + 64 + 8
+    assert push.statistics().sent == 200
+
+
+async def test_a_bundle_leaves_when_the_loop_turns_without_flush(transport: Transport, url_factory) -> None:
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        await push.send(work(1))
+        await push.send(work(2))  # both wait in the bundle until this task yields
+        assert push.statistics().queued == 2
+        assert await recv_n(pull, 2) == [work(1), work(2)]  # awaiting turns the loop
+
+
+async def test_a_large_message_waits_for_the_bundle_before_it(transport: Transport, url_factory) -> None:
+    big = np.arange(MiB, dtype=np.uint8)
+    async with (
+        transport.open("pull", name="pull", bind=[url_factory()]) as pull,
+        transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
+    ):
+        await push.send(work(1))
+        await push.send(chunk(0, big))
+        await push.send(work(2))
+        got = await recv_n(pull, 3)
+    assert got[0] == work(1) and got[2] == work(2)
+    assert np.array_equal(got[1].data, big)
+
+
+async def test_with_no_peer_a_push_accepts_one_bundle_then_blocks(transport: Transport) -> None:
+    push = transport.open("push", name="push", options=SocketOptions(coalesce=4))
+    for i in range(3):
+        await push.send(work(i))  # the bundle takes them; ZeroMQ has no peer to queue to
+    fourth = asyncio.ensure_future(push.send(work(3)))
+    await assert_blocked(fourth)
+    push.close()
+    with pytest.raises(ClosedError):
+        await fourth
+    assert push.statistics().sent == 0
+
+
+async def test_close_with_linger_delivers_the_pending_bundle(transport: Transport, url_factory) -> None:
+    pull = transport.open("pull", name="pull", bind=[url_factory()])
+    push = transport.open("push", name="push", connect=[pull.endpoints[0]])
+    await push.send(work(1))
+    await push.send(work(2))
+    push.close(linger_ms=2000)  # before the loop turned: the bundle is still in the endpoint
+    assert push.statistics().sent == 2
+    assert await recv_n(pull, 2) == [work(1), work(2)]
+    pull.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x90",  # empty bundle
+        b"\x91" + Codec().encode(WorkRequest(sampler_id="s", credits=1))[0][2:],  # one message
+        b"\x92" + Codec().encode(WorkRequest(sampler_id="s", credits=1))[0][2:] + b"\x01",  # bad element
+        b"\x92" + b"\xa1x" * 2,  # elements that are not messages
+    ],
+)
+async def test_malformed_bundles_are_counted_and_dropped(transport: Transport, url_factory, body: bytes) -> None:
+    async with transport.open("pull", name="pull", bind=[url_factory()]) as pull:
+        with raw_socket(transport, zmq.PUSH, pull.endpoints[0]) as push:
+            push.send(b"\xe2\x01" + body)
+            good = Codec().encode(work(7))
+            push.send_multipart(good)
+            assert await pull.recv() == work(7)
+        assert pull.statistics().decode_errors == 1
+
+
+async def test_a_bundle_with_data_frames_is_malformed(transport: Transport, url_factory) -> None:
+    codec = Codec()
+    bundle = Codec.bundle([codec.encode(work(i))[0] for i in range(2)])
+    async with transport.open("pull", name="pull", bind=[url_factory()]) as pull:
+        with raw_socket(transport, zmq.PUSH, pull.endpoints[0]) as push:
+            push.send_multipart([bundle, b"extra"])
+            push.send_multipart(codec.encode(work(7)))
+            assert await pull.recv() == work(7)
+        assert pull.statistics().decode_errors == 1
 
 
 # ----------------------------------------------------------------------- protocol document

@@ -5,6 +5,11 @@ Frame layout (``docs/protocol.md`` is the normative description)::
     frame 0   b"\\xe2" + PROTOCOL_VERSION (1 byte) + msgpack map (the tagged message)
     frame 1.. raw little-endian buffers of large arrays, in order of reference
 
+A bundle is several small messages in one frame 0: the msgpack map of each, in order,
+inside one msgpack array (``b"\xe2" + version + array``), with no further frames. Senders
+form bundles from messages sent back to back (``PushEndpoint``): one ZeroMQ message and one
+decode call instead of many is what lets a receiver keep up with a stream of small records.
+
 An array field is a msgpack ext value: type 1 refers to a separate frame
 (``[frame_index, dtype, shape]``), type 2 carries the bytes inline (``[dtype, shape, bin]``).
 Arrays of at least ``inline_limit`` bytes travel as their own frames, zero-copy on both
@@ -20,6 +25,8 @@ frame must be referenced exactly once. Any failure raises ``DecodeError``.
 from __future__ import annotations
 
 import math
+import types as types_module
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +92,12 @@ class Codec:
         self._decoder = msgspec.msgpack.Decoder(
             types, ext_hook=self._ext_hook, dec_hook=self._dec_hook
         )
+        # A bundle is told from a message by its msgpack array marker, which needs every
+        # message type to encode as a map (the default for echo2's tagged messages).
+        self.bundles = _all_map_structs(types)
+        self._bundle_decoder = msgspec.msgpack.Decoder(
+            list[types], ext_hook=self._ext_hook, dec_hook=self._dec_hook
+        ) if self.bundles else None
 
     # -- encode ----------------------------------------------------------------------
 
@@ -118,11 +131,28 @@ class Codec:
 
     # -- decode ----------------------------------------------------------------------
 
+    @staticmethod
+    def bundle(headers: Sequence[bytes]) -> bytes:
+        """Frame 0 of a bundle of single-frame messages (``headers``: their frame 0s)."""
+        n = len(headers)
+        if n < 2:
+            raise ValueError("a bundle holds at least two messages")
+        head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+        return b"".join([_PREAMBLE, head, *[h[2:] for h in headers]])
+
     def decode(self, frames: Sequence[Any]) -> Message:
         """Decode frames (bytes, memoryviews or ``zmq.Frame``) into a message.
 
-        Raises ``DecodeError`` (or ``ProtocolMismatch``) on anything malformed.
+        Raises ``DecodeError`` (or ``ProtocolMismatch``) on anything malformed, a bundle
+        included (``decode_any`` accepts both).
         """
+        message = self.decode_any(frames)
+        if type(message) is list:
+            raise DecodeError(f"a bundle of {len(message)} messages where one was expected")
+        return message
+
+    def decode_any(self, frames: Sequence[Any]) -> Message | list[Message]:
+        """A message, or the list of messages of a bundle. Raises ``DecodeError``."""
         if not frames:
             raise DecodeError("no frames")
         header = memoryview(frames[0])
@@ -136,6 +166,20 @@ class Codec:
             raise ProtocolMismatch(
                 f"peer speaks protocol {header[1]}, this process speaks {PROTOCOL_VERSION}"
             )
+        marker = header[2]
+        if (0x90 <= marker <= 0x9F or marker in (0xDC, 0xDD)) and self._bundle_decoder is not None:
+            if len(frames) != 1:
+                raise DecodeError(f"wrong frame count: a bundle has no data frames, got {len(frames) - 1}")
+            self._in_frames = frames
+            try:
+                messages = self._bundle_decoder.decode(header[2:])
+            except _DECODE_FAILURES as exc:
+                raise DecodeError(f"bundle: {type(exc).__name__}: {exc}") from exc
+            finally:
+                self._in_frames = ()
+            if len(messages) < 2:
+                raise DecodeError(f"a bundle of {len(messages)} messages")
+            return messages
         self._in_frames = frames
         self._in_used = [False] * len(frames)
         try:
@@ -170,6 +214,15 @@ class Codec:
         if expected is np.ndarray and isinstance(obj, np.ndarray):
             return obj
         raise TypeError(f"expected {getattr(expected, '__name__', expected)}, got {type(obj).__name__}")
+
+
+def _all_map_structs(types: Any) -> bool:
+    """True if every type in ``types`` (a class or a Union) is a map-encoded msgspec Struct."""
+    members = typing.get_args(types) if typing.get_origin(types) in (typing.Union, types_module.UnionType) else (types,)
+    return all(
+        isinstance(t, type) and issubclass(t, msgspec.Struct) and not t.__struct_config__.array_like
+        for t in members
+    )
 
 
 def _array_view(buffer: Any, dtype_str: str, shape: list[int]) -> np.ndarray:

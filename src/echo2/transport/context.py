@@ -93,6 +93,7 @@ class Transport:
                 on_full=on_full,
                 producers=producers,
                 on_close=self._open.discard,
+                coalesce=options.coalesce if kind == "push" else 1,
             )
             for topic in subscribe:
                 socket.setsockopt(zmq.SUBSCRIBE, topic)

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     ChunkRequest,
@@ -66,6 +68,7 @@ from echo2.transport.broadcast import (
     SnapshotAssembler,
     iter_chunks,
     make_manifest,
+    prefaulted_buffer,
 )
 from echo2.transport.context import Transport
 from echo2.transport.endpoint import (
@@ -172,6 +175,10 @@ def _local_ip_towards(control_url: str) -> str:
 # -- receiver ----------------------------------------------------------------------------
 
 
+def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[str]:
+    return [assembler.offer(chunk) for chunk in chunks]
+
+
 @dataclasses.dataclass
 class _Progress:
     last_s: float
@@ -201,8 +208,11 @@ class WeightReceiver:
         verify_manifest: Callable[[WeightManifest], None] | None = None,
         max_early_chunks: int = 4096,
         verify_threads: int = 2,
+        prefault_next: bool = True,
     ) -> None:
         self._verify_manifest = verify_manifest
+        self.prefault_next = prefault_next
+        self._spare: np.ndarray | None = None
         self.name = name
         self._transport = transport
         self._control = control
@@ -234,6 +244,7 @@ class WeightReceiver:
             verify_threads, thread_name_prefix=f"verify-{name}"
         )
         self._slots = asyncio.Semaphore(verify_threads)
+        self._verify_threads = verify_threads
         self._group: asyncio.TaskGroup | None = None
         self.counters = dict.fromkeys(
             (
@@ -248,6 +259,7 @@ class WeightReceiver:
                 "repair_requests",
                 "repair_chunks_requested",
                 "versions_complete",
+                "spare_buffers_used",
             ),
             0,
         )
@@ -347,9 +359,17 @@ class WeightReceiver:
     async def _relay_loop(self) -> None:
         assert self._inbox is not None
         while True:
-            for message in await self._inbox.recv_many(16):
-                if isinstance(message, WeightChunk):
-                    await self._take(message)
+            chunks = [m for m in await self._inbox.recv_many(16) if isinstance(m, WeightChunk)]
+            if self._delay is not None or self._downlink.capped:
+                for chunk in chunks:
+                    await self._take(chunk)
+            elif chunks:
+                # Uncapped: what arrived together is verified together, split over the
+                # verify threads, one hand-off per thread rather than one per chunk.
+                self._downlink.delay_for(sum(c.data.nbytes for c in chunks))  # counts bytes
+                threads = self._verify_threads
+                for part in range(min(threads, len(chunks))):
+                    await self._verify_soon(chunks[part::threads])
 
     async def _take(self, chunk: WeightChunk) -> None:
         """Downlink pacing, then (after the emulated latency) processing."""
@@ -357,22 +377,22 @@ class WeightReceiver:
         if self._delay is not None:
             self._delay.put_nowait(chunk)
         else:
-            await self._verify_soon(chunk)
+            await self._verify_soon([chunk])
 
     async def _delayed_loop(self) -> None:
         assert self._delay is not None
         while True:
-            await self._verify_soon(await self._delay.get())
+            await self._verify_soon([await self._delay.get()])
 
-    async def _verify_soon(self, chunk: WeightChunk) -> None:
-        """Verify up to ``verify_threads`` chunks at once while the next ones arrive."""
+    async def _verify_soon(self, chunks: list[WeightChunk]) -> None:
+        """Verify up to ``verify_threads`` batches at once while the next ones arrive."""
         await self._slots.acquire()
         assert self._group is not None
-        self._group.create_task(self._verify_then_release(chunk))
+        self._group.create_task(self._verify_then_release(chunks))
 
-    async def _verify_then_release(self, chunk: WeightChunk) -> None:
+    async def _verify_then_release(self, chunks: list[WeightChunk]) -> None:
         try:
-            await self._on_chunk(chunk)
+            await self._on_chunks(chunks)
         finally:
             self._slots.release()
 
@@ -425,7 +445,7 @@ class WeightReceiver:
         try:
             if self._verify_manifest is not None:
                 self._verify_manifest(manifest)  # before any memory is committed to it
-            assembler = SnapshotAssembler(manifest)
+            assembler = SnapshotAssembler(manifest, self._take_spare(manifest.total_bytes))
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
             log.warning(
@@ -437,38 +457,40 @@ class WeightReceiver:
         self._apply_plan()
         early = self._early.pop(key, [])
         self._early = {k: v for k, v in self._early.items() if k > key}
-        for chunk in early:
-            await self._on_chunk(chunk)
+        if early:
+            await self._on_chunks(early)
         if self._assembler is assembler and not self._in_plan(key):
             # A late joiner, or a member the plan left out: no stream is coming; repair it all.
             await self._request_missing(assembler)
 
-    async def _on_chunk(self, chunk: WeightChunk) -> None:
-        key = (chunk.incarnation, chunk.version)
+    async def _on_chunks(self, chunks: list[WeightChunk]) -> None:
         assembler = self._assembler
-        if assembler is None or key != assembler.key:
+        mine = []
+        for chunk in chunks:
+            key = (chunk.incarnation, chunk.version)
+            if assembler is not None and key == assembler.key:
+                mine.append(chunk)
+                continue
             newest = self.newest()
-            if (newest is None or key > newest) and sum(
-                map(len, self._early.values())
-            ) < self._max_early:
-                self._early.setdefault(key, []).append(
-                    chunk
-                )  # the manifest is on its way
+            if (newest is None or key > newest) and sum(map(len, self._early.values())) < self._max_early:
+                self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
             else:
                 self.counters["chunks_stale"] += 1
+        if not mine or assembler is None:
             return
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self._pool, assembler.offer, chunk)
-        if outcome == "corrupt":
-            self.counters["corrupt_chunks"] += 1
-        elif outcome == "duplicate":
-            self.counters["chunks_duplicate"] += 1
-        if outcome != "stored":
-            return
-        self.counters["chunks_received"] += 1
-        # Forward even if the version completed meanwhile (another chunk verified in
-        # parallel finished it): the successor still needs this chunk.
-        self._queue_forward(assembler, chunk.index, chunk)
+        outcomes = await loop.run_in_executor(self._pool, _offer_all, assembler, mine)
+        for chunk, outcome in zip(mine, outcomes, strict=True):
+            if outcome == "corrupt":
+                self.counters["corrupt_chunks"] += 1
+            elif outcome == "duplicate":
+                self.counters["chunks_duplicate"] += 1
+            if outcome != "stored":
+                continue
+            self.counters["chunks_received"] += 1
+            # Forward even if the version completed meanwhile (another chunk verified in
+            # parallel finished it): the successor still needs this chunk.
+            self._queue_forward(assembler, chunk.index, chunk)
         if assembler is not self._assembler:
             return  # completed by a parallel verification, or superseded
         self._progress.last_s = time.monotonic()
@@ -476,8 +498,32 @@ class WeightReceiver:
             self._assembler = None
             self._complete_key = assembler.key
             self.counters["versions_complete"] += 1
+            self._prepare_spare(assembler.manifest.total_bytes)
             if self._on_complete is not None:
                 self._on_complete(assembler)
+
+    def _take_spare(self, nbytes: int) -> np.ndarray | None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.nbytes == nbytes:
+            self.counters["spare_buffers_used"] += 1
+            return spare
+        return None
+
+    def _prepare_spare(self, nbytes: int) -> None:
+        """Map the next version's memory now, between versions, so that its page faults
+        do not slow the next transfer (snapshots keep their size from version to version).
+        Costs one snapshot of memory while idle; ``prefault_next=False`` turns it off."""
+        if not self.prefault_next or self._group is None:
+            return
+        self._spare = None
+
+        async def prepare() -> None:
+            loop = asyncio.get_running_loop()
+            spare = await loop.run_in_executor(self._pool, prefaulted_buffer, nbytes)
+            if self._assembler is None:  # not already assembling the next version
+                self._spare = spare
+
+        self._group.create_task(prepare())
 
     def _queue_forward(
         self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None
