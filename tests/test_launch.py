@@ -6,6 +6,7 @@ process exit, never on sleeps.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -259,3 +260,20 @@ def test_two_hosts_meet_over_tcp(tmp_path: Path) -> None:
     assert source.returncode == 0, out_a
     received = json.loads((the_run_dir(tmp_path / "b") / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
     assert received["count"] == 25
+
+
+def test_only_the_learner_process_spins_its_openmp_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from echo2.launch import Child, Launcher
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    launcher = object.__new__(Launcher)  # _child_env reads nothing from the launcher
+
+    def env(critical: bool) -> dict[str, str]:
+        child = Child(name="p", actors=[], completes_run=False, torch_threads=2, log=io.StringIO(), critical=critical)
+        return launcher._child_env(child)
+
+    assert env(critical=True)["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert env(critical=False)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert env(critical=False)["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a user's own setting wins
+    assert env(critical=True)["OMP_WAIT_POLICY"] == "PASSIVE"

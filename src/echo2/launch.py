@@ -260,6 +260,8 @@ class Child:
     completes_run: bool
     torch_threads: int
     log: TextIO
+    critical: bool = False
+    """Holds the learner: the critical path, whose OpenMP threads may spin."""
     proc: asyncio.subprocess.Process | None = None
     returncode: int | None = None
     restarts: int = 0
@@ -358,6 +360,7 @@ class Launcher:
                 actors=[a.name for a in spec.actors],
                 completes_run=self.completes_run.get(name, False),
                 torch_threads=spec.torch_threads,
+                critical=any(a.kind == "learner" for a in spec.actors),
                 log=open(
                     self.run_dir / "logs" / f"{name}.log",
                     "a",
@@ -423,8 +426,12 @@ class Launcher:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(child.torch_threads)
         # Idle OpenMP threads sleep instead of spinning: with more torch processes than
         # cores (a learner and samplers on a laptop), a spinning pool steals the core a
-        # busy neighbour needs, and small ops get 10-100x slower.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # busy neighbour needs, and small ops get 10-100x slower. The learner is the
+        # exception: it is the critical path, its steps are chains of small parallel
+        # regions that each pay a futex wake-up when its threads sleep (its step took
+        # ~0.18 s instead of ~0.155 s in benchmarks/pipeline.py), and what its spinning
+        # takes from samplers the staleness budget absorbs.
+        env.setdefault("OMP_WAIT_POLICY", "ACTIVE" if child.critical else "PASSIVE")
         return env
 
     def _child_preexec(self) -> Any:

@@ -268,8 +268,9 @@ class Snapshot(Message):
 
 
 class WeightManifest(Message):
-    """Describes one snapshot: layout, chunking and digests (``digest_algorithm``:
-    "sha256", the default, or "blake2b-256")."""
+    """Describes one snapshot: layout, chunking and digests (``digest_algorithm``: echo2
+    publishes "blake3"; "sha256", the field's default for peers that leave it out, and
+    "blake2b-256" are also accepted)."""
 
     incarnation: int
     version: int

@@ -1,7 +1,7 @@
 """WeightPublisher: disseminates the Learner's snapshots as verified chunks, relayed by peers.
 
 Role: dissemination (``echo2.transport.weights.WeightBroadcaster`` does the work). For each
-``Snapshot`` it builds a ``WeightManifest`` (layout, a SHA-256 digest per chunk and for
+``Snapshot`` it builds a ``WeightManifest`` (layout, a BLAKE3 digest per chunk and for
 the whole) in a worker thread, computes a ``RelayPlan`` from the live samplers (those whose
 ``WeightSubscribe`` lease is fresh), sends each the plan and the manifest, and streams the
 chunks to the seeds: every sampler in ``star`` mode, the head of one chain in ``relay``
