@@ -25,6 +25,7 @@ Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -62,6 +63,11 @@ class SamplerConfig(ActorConfig):
     """Leases requested up front; one more is requested per finished group."""
     max_batch_groups: int = 8
     """Most leases generated together in one engine call (larger batches decode faster)."""
+    batch_wait_s: float = 0.0
+    """With fewer than ``max_batch_groups`` leases queued and more already granted but not
+    yet arrived, wait up to this long for them before generating. Leases return one by one
+    as groups are stored, so without a wait a sampler decodes many small batches; a small
+    model pays most of its decode cost per engine call, not per sequence. 0: never wait."""
     price_per_hour: float = 0.0
     """What this worker costs, for cost-aware activation."""
     uplink_mbps: float = 0.0
@@ -123,6 +129,8 @@ class Sampler(Actor):
         self._receiver.open()
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
+        self._lease_arrived = asyncio.Event()
+        self._owed = 0  # leases granted by credits sent, not yet received
         self._wake = asyncio.Event()  # work arrived or a version is ready to install
         self._weights_ready = asyncio.Event()
         self._ready: SnapshotAssembler | None = None
@@ -194,12 +202,15 @@ class Sampler(Actor):
 
     async def _receive_leases(self) -> None:
         await self._handshake()
+        self._owed += self.config.credits
         await self._tasks.send(WorkRequest(sampler_id=self.name, credits=self.config.credits))
         while True:
             for message in await self._tasks.recv_many():
                 if isinstance(message, TaskLease):
+                    self._owed = max(0, self._owed - 1)
                     self._leases.append(message)
                     self._have_work.set()
+                    self._lease_arrived.set()
                     self._wake.set()
                 elif isinstance(message, LeaseRevoked):
                     self._revoked.add(message.lease_id)
@@ -241,6 +252,18 @@ class Sampler(Actor):
             ),
         )
 
+    async def _fill_batch(self) -> None:
+        """Give leases already granted up to ``batch_wait_s`` to arrive (see the config)."""
+        wait_s, full = self.config.batch_wait_s, self.config.max_batch_groups
+        if wait_s <= 0 or len(self._leases) >= full or self._owed <= 0:
+            return
+        deadline = asyncio.get_running_loop().time() + wait_s
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while len(self._leases) < full and self._owed > 0:
+                    self._lease_arrived.clear()
+                    await self._lease_arrived.wait()
+
     def _take_batch(self) -> list[TaskLease]:
         batch: list[TaskLease] = []
         while self._leases and len(batch) < self.config.max_batch_groups:
@@ -265,6 +288,7 @@ class Sampler(Actor):
             await self._install_ready()
             if not self._have_work.is_set():
                 continue
+            await self._fill_batch()
             batch = self._take_batch()
             if self._leases:
                 self._wake.set()  # more queued: come straight back after this batch
@@ -304,6 +328,7 @@ class Sampler(Actor):
             self.counters["groups_sent"] += 1
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
+        self._owed += len(batch)
         await self._tasks.send(WorkRequest(sampler_id=self.name, credits=len(batch)))
 
 
