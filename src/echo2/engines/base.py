@@ -35,6 +35,14 @@ FINISH_LENGTH = "length"
 TensorLayout = dict[str, tuple[tuple[int, ...], str]]
 
 
+def check_generate_args(prompts: list[list[int]], n: int) -> None:
+    """The argument checks every real engine's ``generate`` starts with."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy

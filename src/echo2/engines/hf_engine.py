@@ -32,6 +32,7 @@ from echo2.engines.base import (
     Engine,
     SamplingParams,
     TensorLayout,
+    check_generate_args,
 )
 from echo2.engines.torch_engine import sample_next
 from echo2.models.policy import Policy, load_policy
@@ -64,10 +65,7 @@ def hf_decode_batch(
     (rows end as "length"): a closing engine does not keep its process alive for a long
     generation whose result nobody will read.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    check_generate_args(prompts, n)
     device = next(model.parameters()).device
     P = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=device)  # (P,)

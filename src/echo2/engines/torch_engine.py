@@ -30,6 +30,7 @@ from echo2.engines.base import (
     Engine,
     SamplingParams,
     TensorLayout,
+    check_generate_args,
     validate_weights,
 )
 from echo2.models import CharTokenizer, KVCache, TinyTransformer, default_checkpoint_dir
@@ -87,10 +88,7 @@ def decode_batch(
     (0 after the end), lengths (P*n,) int64 (tokens up to and including EOS), hit_eos
     (P*n,) bool. S <= params.max_new_tokens.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    check_generate_args(prompts, n)
     device = next(model.parameters()).device
     P = len(prompts)
     prompt_lens = torch.tensor([len(p) for p in prompts], device=device)  # (P,)

@@ -39,6 +39,7 @@ from echo2.engines.base import (
     Engine,
     SamplingParams,
     TensorLayout,
+    check_generate_args,
 )
 
 # safetensors header dtype -> the numpy dtype the tensor travels as (bf16 as raw uint16)
@@ -165,10 +166,7 @@ class VLLMEngine(Engine):
     ) -> list[list[Completion]]:
         del answers
         self._check_open()
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        check_generate_args(prompts, n)
         from vllm.inputs import TokensPrompt
 
         greedy = params.temperature == 0.0

@@ -127,8 +127,7 @@ class Endpoint:
         self._bundle: list[bytes] = []
         self._bundle_bytes = 0
         self._flush_scheduled = False
-        self._bundle_in_flight = False
-        self._bundle_idle = asyncio.Event()  # set while no bundle is being awaited out
+        self._bundle_idle = asyncio.Event()  # cleared while a bundle is being awaited out
         self._bundle_idle.set()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -460,26 +459,37 @@ class _Sending(Endpoint):
             asyncio.get_running_loop().call_soon(self._flush_soon)
         return True
 
+    @property
+    def _bundle_in_flight(self) -> bool:
+        return not self._bundle_idle.is_set()
+
+    def _bundle_wire(self) -> bytes:
+        """Frame 0 for what is pending: a lone message as itself, several as a bundle."""
+        return self._bundle[0] if len(self._bundle) == 1 else self._codec.bundle(self._bundle)
+
     def _take_bundle(self) -> tuple[bytes, int]:
-        headers, self._bundle, self._bundle_bytes = self._bundle, [], 0
-        return (headers[0] if len(headers) == 1 else self._codec.bundle(headers)), len(headers)
+        wire, count = self._bundle_wire(), len(self._bundle)
+        self._bundle, self._bundle_bytes = [], 0
+        return wire, count
 
     def _flush_nowait(self) -> bool:
         """Hand the bundle to ZeroMQ without waiting; False if the HWM is full."""
         if not self._bundle:
             return True
-        wire = self._bundle[0] if len(self._bundle) == 1 else self._codec.bundle(self._bundle)
+        wire = self._bundle_wire()
         try:
             self._sync.send(wire, zmq.NOBLOCK)
             self._rearm()
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
+            self._dropped += len(self._bundle)  # counted here: _send_failed may raise
             self._bundle, self._bundle_bytes = [], 0
             return self._send_failed(exc)
-        self._sent += len(self._bundle)
-        self._bytes_sent += len(wire)
+        count = len(self._bundle)
         self._bundle, self._bundle_bytes = [], 0
+        self._sent += count
+        self._bytes_sent += len(wire)
         return True
 
     def _flush_soon(self, _ready: Any = None) -> None:
@@ -495,21 +505,17 @@ class _Sending(Endpoint):
                 return
         except TransportError as exc:  # no caller to raise to: the messages are lost
             log.error("%s: a bundle could not be sent: %s", self.name, exc)
-            self._dropped += len(self._bundle)
-            self._bundle, self._bundle_bytes = [], 0
             return
         self._flush_scheduled = True
         self._socket.poll(flags=zmq.POLLOUT).add_done_callback(self._flush_soon)
 
     async def _send_bundle(self) -> None:
         wire, count = self._take_bundle()
-        self._bundle_in_flight = True
         self._bundle_idle.clear()
         try:
             if await self._send_frames([wire]):
                 self._sent += count - 1  # _send_frames counted one message
         finally:
-            self._bundle_in_flight = False
             self._bundle_idle.set()
             if self._bundle and not self._flush_scheduled and not self._closed:
                 self._flush_scheduled = True
@@ -521,8 +527,9 @@ class _Sending(Endpoint):
         try:
             if self._flush_nowait():
                 return
-        except TransportError as exc:
-            log.warning("%s: %d messages dropped at close: %s", self.name, len(self._bundle), exc)
+        except TransportError as exc:  # the bundle is counted as dropped already
+            log.warning("%s: messages dropped at close: %s", self.name, exc)
+            return
         wire, count = self._take_bundle()
         if linger_ms > 0:
             self._sync.setsockopt(zmq.SNDTIMEO, linger_ms)
