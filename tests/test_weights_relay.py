@@ -56,7 +56,9 @@ class Harness:
         broadcaster: WeightBroadcaster,
         url: str,
         group: asyncio.TaskGroup,
+        data_plane: str = "zmq",
     ):
+        self.data_plane = data_plane
         self.transport = transport
         self.broadcaster = broadcaster
         self.url = url
@@ -94,6 +96,7 @@ class Harness:
             chunk_bytes_hint=CHUNK,
             on_complete=done,
             verify_manifest=verify_manifest,
+            data_plane=self.data_plane,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -116,10 +119,13 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    mode: str = "relay", stripes: int = 2, link: LinkSpec = NO_LINK, fault=None
+    mode: str = "relay", stripes: int = 2, link: LinkSpec = NO_LINK, fault=None, medium: str = "inproc"
 ) -> AsyncIterator[Harness]:
+    """``medium``: "inproc" (ZeroMQ PULL inboxes), "tcp" (chunk-stream inboxes, the default
+    over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp)."""
     transport = Transport()
-    router = transport.router(name="pub.weights", bind=["inproc://test-weights"])
+    bind = "inproc://test-weights" if medium == "inproc" else "tcp://127.0.0.1:0"
+    router = transport.router(name="pub.weights", bind=[bind])
     broadcaster = WeightBroadcaster(
         transport,
         router,
@@ -134,7 +140,8 @@ async def harness(
     try:
         async with asyncio.TaskGroup() as group:
             main = group.create_task(broadcaster.run())
-            h = Harness(transport, broadcaster, "inproc://test-weights", group)
+            data_plane = "stream" if medium == "tcp" else "zmq"
+            h = Harness(transport, broadcaster, router.endpoints[0], group, data_plane)
             try:
                 yield h
             finally:
@@ -163,9 +170,13 @@ def test_relay_plans_cover_every_member_with_every_stripe() -> None:
     assert relay_plan([], "relay") == (1, [])
 
 
+MEDIA = ["inproc", "tcp"]
+
+
+@pytest.mark.parametrize("medium", [*MEDIA, "tcp-zmq"])
 @pytest.mark.parametrize(("mode", "n"), [("relay", 3), ("striped", 4), ("star", 2)])
-async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int) -> None:
-    async with harness(mode=mode) as h:
+async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int, medium: str) -> None:
+    async with harness(mode=mode, medium=medium) as h:
         names = [f"s{i}" for i in range(n)]
         for name in names:
             h.add(name)
@@ -185,9 +196,16 @@ async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int) -> N
                 make_manifest(snap, CHUNK).chunk_digests
             )
         assert all(s["repair_requests"] == 0 for s in stats.values()), stats
+        if medium == "tcp":
+            assert all(h.receivers[name].relay_address.startswith("chunkstream://") for name in names)
+            # Every streamed chunk landed in its place in the assembly buffer (no copy).
+            assert sum(s["stream_chunks_in_place"] for s in stats.values()) == sum(
+                s["chunks_received"] for s in stats.values()
+            )
 
 
-async def test_dropped_and_corrupted_chunks_are_repaired_and_counted() -> None:
+@pytest.mark.parametrize("medium", MEDIA)
+async def test_dropped_and_corrupted_chunks_are_repaired_and_counted(medium: str) -> None:
     rng = random.Random(7)
     corrupted: list[int] = []
 
@@ -204,7 +222,7 @@ async def test_dropped_and_corrupted_chunks_are_repaired_and_counted() -> None:
             )
         return None if rng.random() < 0.10 else chunk
 
-    async with harness(mode="relay", fault=fault) as h:
+    async with harness(mode="relay", fault=fault, medium=medium) as h:
         names = ["a", "b", "c"]
         for name in names:
             h.add(name, gap_timeout_s=0.2)
@@ -243,8 +261,9 @@ async def test_forged_or_older_manifests_are_rejected() -> None:
         assert receiver.assembling is None and receiver.complete_key == (1, 3)
 
 
-async def test_late_joiner_installs_latest_without_a_new_publication() -> None:
-    async with harness() as h:
+@pytest.mark.parametrize("medium", MEDIA)
+async def test_late_joiner_installs_latest_without_a_new_publication(medium: str) -> None:
+    async with harness(medium=medium) as h:
         h.add("a")
         await h.broadcaster.wait_members(1)
         snap = snapshot(5)
@@ -258,10 +277,11 @@ async def test_late_joiner_installs_latest_without_a_new_publication() -> None:
         assert h.broadcaster.counters["late_joiner_manifests"] >= 1
 
 
-async def test_successors_of_a_relay_killed_mid_transfer_complete() -> None:
+@pytest.mark.parametrize("medium", MEDIA)
+async def test_successors_of_a_relay_killed_mid_transfer_complete(medium: str) -> None:
     # 8 Mbit/s uplinks: ~2.6 MB takes ~2.6 s per hop, so the kill lands mid-transfer.
     slow = LinkSpec(uplink_mbps=8.0)
-    async with harness(mode="relay", link=LinkSpec(uplink_mbps=32.0)) as h:
+    async with harness(mode="relay", link=LinkSpec(uplink_mbps=32.0), medium=medium) as h:
         names = ["a", "b", "c", "d"]
         for name in names:
             h.add(name, link=slow, gap_timeout_s=0.3)
@@ -281,8 +301,9 @@ async def test_successors_of_a_relay_killed_mid_transfer_complete() -> None:
         assert time.monotonic() - started < 15
 
 
-async def test_a_newer_version_supersedes_one_still_streaming() -> None:
-    async with harness(mode="relay", link=LinkSpec(uplink_mbps=20.0)) as h:
+@pytest.mark.parametrize("medium", MEDIA)
+async def test_a_newer_version_supersedes_one_still_streaming(medium: str) -> None:
+    async with harness(mode="relay", link=LinkSpec(uplink_mbps=20.0), medium=medium) as h:
         h.add("a")
         h.add("b")
         await h.broadcaster.wait_members(2)

@@ -79,6 +79,9 @@ class SamplerConfig(ActorConfig):
     relay_host: str = ""
     """Address peers reach this sampler's relay inbox at over tcp (default: this host's
     address on the route to the publisher)."""
+    weights_data_plane: str = "stream"
+    """Relay inbox over tcp: "stream" (chunks land in place in the assembly buffer,
+    ``echo2.transport.chunkstream``) or "zmq" (a ZeroMQ PULL)."""
     gap_timeout_s: float = 2.0
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
@@ -123,6 +126,7 @@ class Sampler(Actor):
             link=LinkSpec(self.config.uplink_mbps, self.config.downlink_mbps, self.config.latency_ms),
             relay_host=self.config.relay_host,
             gap_timeout_s=self.config.gap_timeout_s,
+            data_plane=self.config.weights_data_plane,
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
         )

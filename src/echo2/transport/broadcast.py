@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
+import threading
 import time
 from collections.abc import Iterator, Mapping
 
@@ -154,6 +155,10 @@ class SnapshotAssembler:
             raise ValueError("buffer must be total_bytes of uint8")
         self.buffer = buffer
         self._have = np.zeros(len(manifest.chunk_digests), dtype=bool)
+        # A chunk's region has at most one writer: a copy being verified, or a chunk stream
+        # receiving into it (``destination``). Set and cleared under the lock.
+        self._claimed = np.zeros(len(manifest.chunk_digests), dtype=bool)
+        self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
 
@@ -187,28 +192,75 @@ class SnapshotAssembler:
         """Store a chunk if it is new and verifies; returns True if it was stored."""
         return self.offer(chunk) == "stored"
 
+    def destination(self, index: int, nbytes: int) -> np.ndarray | None:
+        """The region of chunk ``index``, claimed for a writer that receives the chunk
+        straight into it (a chunk stream); None if the chunk is held, already being
+        written, out of range or of the wrong size. The writer then ``offer``s a chunk
+        whose data is this region (verified in place, never copied), or ``release``s it."""
+        m = self.manifest
+        if not 0 <= index < len(self._have):
+            return None
+        start = index * m.chunk_bytes
+        if nbytes != min(m.chunk_bytes, m.total_bytes - start):
+            return None
+        with self._lock:
+            if self._have[index] or self._claimed[index]:
+                return None
+            self._claimed[index] = True
+        return self.buffer[start : start + nbytes]
+
+    def release(self, chunk: WeightChunk) -> None:
+        """Give back a region from ``destination`` whose chunk never arrived whole (no-op
+        for a chunk that is not its region)."""
+        if self._in_place(chunk):
+            with self._lock:
+                self._claimed[chunk.index] = False
+
+    def _in_place(self, chunk: WeightChunk) -> bool:
+        """Whether ``chunk``'s data is its own region of the buffer (same memory)."""
+        m = self.manifest
+        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+            return False
+        start = chunk.index * m.chunk_bytes
+        return (
+            chunk.data.nbytes == min(m.chunk_bytes, m.total_bytes - start)
+            and chunk.data.__array_interface__["data"][0] == self.buffer[start:].__array_interface__["data"][0]
+        )
+
     def offer(self, chunk: WeightChunk) -> str:
         """Like ``add``, with the outcome: "stored", "duplicate", "corrupt" (wrong size or
         digest; counted in ``corrupt_chunks``) or "foreign" (another version, bad index).
 
-        Safe to call from several threads for different chunks (hashing releases the GIL).
+        A chunk whose data is its own region (from ``destination``) is verified where it
+        lies; any other is verified, then copied in. A chunk whose region is being written
+        by another writer counts as a duplicate. Safe to call from several threads for
+        different chunks (hashing releases the GIL).
         """
         m = self.manifest
         if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
             return "foreign"
-        if self._have[chunk.index]:
-            return "duplicate"
-        start = chunk.index * m.chunk_bytes
+        index = chunk.index
+        start = index * m.chunk_bytes
         expected_len = min(m.chunk_bytes, m.total_bytes - start)
-        if (
-            chunk.data.nbytes != expected_len
-            or digest(chunk.data, m.digest_algorithm) != m.chunk_digests[chunk.index]
-        ):
-            self.corrupt_chunks += 1
-            return "corrupt"
-        self.buffer[start : start + expected_len] = chunk.data
-        self._have[chunk.index] = True
-        return "stored"
+        region = self.buffer[start : start + expected_len]
+        in_place = self._in_place(chunk)
+        if not in_place:
+            with self._lock:
+                if self._have[index] or self._claimed[index]:
+                    return "duplicate"
+                self._claimed[index] = True
+        try:
+            if chunk.data.nbytes != expected_len or digest(chunk.data, m.digest_algorithm) != m.chunk_digests[index]:
+                self.corrupt_chunks += 1
+                return "corrupt"
+            if not in_place:
+                region[:] = chunk.data
+            with self._lock:
+                self._have[index] = True
+            return "stored"
+        finally:
+            with self._lock:
+                self._claimed[index] = False
 
     def tensors(self) -> dict[str, np.ndarray]:
         if not self.complete:

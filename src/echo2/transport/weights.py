@@ -12,7 +12,9 @@ Two components on top of the pure chunk layer (``echo2.transport.broadcast``):
   chunks over the ROUTER, sends the latest manifest to a member that joins late, and
   measures T_bcast from the members' ``WeightsInstalled`` (sent on the same reliable
   channel, not on lossy telemetry).
-* ``WeightReceiver`` (sampler side). It binds a PULL inbox, assembles a version into memory
+* ``WeightReceiver`` (sampler side). It binds a relay inbox (over tcp a chunk stream,
+  ``echo2.transport.chunkstream``, whose bytes land straight in the assembly buffer; else,
+  or with ``data_plane="zmq"``, a ZeroMQ PULL), assembles a version into memory
   allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
   worker thread: hashing releases the GIL), forwards every verified chunk of the stripes
   it relays to its successor the moment it lands (a PUSH per successor), and hands a
@@ -29,8 +31,9 @@ Link emulation (``LinkSpec``): the publisher's uplink, and each receiver's uplin
 downlink, pace every byte on the weight path (chunks streamed, forwarded and repaired);
 ``latency_ms`` delays each chunk a receiver takes in, pipelined.
 
-Buffers: chunks are views into the snapshot (publisher) or into received ZeroMQ frames
-(relays); neither is ever written, so a buffer ZeroMQ still holds is never mutated.
+Buffers: chunks are views into the snapshot (publisher), into received ZeroMQ frames, or
+into verified regions of the assembly buffer (relays); none is ever written again, so a
+buffer ZeroMQ or the kernel still holds is never mutated.
 Deviation: repair is served by the publisher only, not by peers (the publisher holds
 every chunk of the latest version; peers would spread the repair load).
 """
@@ -62,6 +65,8 @@ from echo2.messages import (
     WeightsInstalled,
     WeightSubscribe,
 )
+from echo2.transport.chunkstream import SCHEME as STREAM_SCHEME
+from echo2.transport.chunkstream import ChunkStreamSender, ChunkStreamServer, is_stream_address
 from echo2.transport.broadcast import (
     DEFAULT_CHUNK_BYTES,
     ManifestRejected,
@@ -90,11 +95,27 @@ strands little and the sender is paced by its receiver."""
 GAMMA = 1.1
 NO_LINK = LinkSpec()
 MAX_REPAIR_INDICES = 1024
+DATA_PLANES = ("stream", "zmq")
 _IPC_PATH_MAX = 100
 
 
 def _max_message_bytes(chunk_bytes: int) -> int:
     return max(64 * 1024 * 1024, 2 * chunk_bytes + 65536)
+
+
+ChunkSender = PushEndpoint | ChunkStreamSender
+"""Where chunks go to a relay inbox: ``await send(chunk)``, ``close()``, ``closed``."""
+
+
+def chunk_sender(transport: Transport, name: str, address: str, chunk_bytes: int) -> ChunkSender:
+    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ)."""
+    if is_stream_address(address):
+        return ChunkStreamSender(address)
+    return transport.push(
+        name=f"{name}->{address}",
+        connect=[address],
+        options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(chunk_bytes)),
+    )
 
 
 # -- plans -------------------------------------------------------------------------------
@@ -209,7 +230,11 @@ class WeightReceiver:
         max_early_chunks: int = 4096,
         verify_threads: int = 2,
         prefault_next: bool = True,
+        data_plane: str = "stream",
     ) -> None:
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        self.data_plane = data_plane
         self._verify_manifest = verify_manifest
         self.prefault_next = prefault_next
         self._spare: np.ndarray | None = None
@@ -229,6 +254,9 @@ class WeightReceiver:
             DelayLine(link.latency_ms / 1000.0) if link.latency_ms > 0 else None
         )
         self._inbox: PullEndpoint | None = None
+        self._stream: ChunkStreamServer | None = None
+        self._stream_socket: socket.socket | None = None
+        self._landed: asyncio.Queue[WeightChunk] = asyncio.Queue()
         self.relay_address = ""
         self._assembler: SnapshotAssembler | None = None
         self._progress = _Progress(time.monotonic())
@@ -239,7 +267,7 @@ class WeightReceiver:
         self._dead_successors: set[str] = set()
         self._early: dict[Key, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[Key, str, WeightChunk]] = asyncio.Queue()
-        self._pushes: dict[str, PushEndpoint] = {}
+        self._pushes: dict[str, ChunkSender] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             verify_threads, thread_name_prefix=f"verify-{name}"
         )
@@ -267,13 +295,33 @@ class WeightReceiver:
     # -- lifecycle -------------------------------------------------------------------
 
     def open(self) -> str:
-        """Bind the relay inbox; returns the address announced to the publisher."""
+        """Bind the relay inbox; returns the address announced to the publisher.
+
+        Over tcp the inbox is a chunk stream (``data_plane="stream"``, the default: bytes
+        land in place, see ``echo2.transport.chunkstream``) or a ZeroMQ PULL
+        (``data_plane="zmq"``); over ipc and inproc it is always a PULL.
+        """
         control_url = (
             self._control.endpoints[0] if self._control.endpoints else "inproc://x"
         )
+        bind = relay_bind_url(control_url, self.name)
+        if self.data_plane == "stream" and bind.startswith("tcp://"):
+            listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
+            listener.setblocking(False)
+            self._stream_socket = listener
+            self._stream = ChunkStreamServer(
+                self._landed.put_nowait,
+                self._stream_destination,
+                self._stream_abandon,
+                max_chunk_bytes=_max_message_bytes(64 << 20),
+            )
+            port = listener.getsockname()[1]
+            tcp = announce_url(f"tcp://*:{port}", control_url, self._relay_host)
+            self.relay_address = STREAM_SCHEME + tcp[len("tcp") :]
+            return self.relay_address
         self._inbox = self._transport.pull(
             name=f"{self.name}.relay",
-            bind=[relay_bind_url(control_url, self.name)],
+            bind=[bind],
             options=SocketOptions(
                 hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)
             ),
@@ -289,11 +337,17 @@ class WeightReceiver:
         self._pushes.clear()
         if self._inbox is not None:
             self._inbox.close()
+        if self._stream is not None:
+            self._stream.close()
+        if self._stream_socket is not None:
+            self._stream_socket.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self) -> None:
-        if self._inbox is None:
+        if self._inbox is None and self._stream is None:
             self.open()
+        if self._stream is not None and self._stream_socket is not None:
+            await self._stream.start_on(self._stream_socket)
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self._control_loop())
@@ -303,6 +357,17 @@ class WeightReceiver:
             group.create_task(self._forward_loop())
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
+
+    def _stream_destination(self, key: Key, index: int, nbytes: int) -> np.ndarray | None:
+        assembler = self._assembler
+        if assembler is None or assembler.key != key:
+            return None  # early, stale or foreign: read into its own buffer
+        return assembler.destination(index, nbytes)
+
+    def _stream_abandon(self, chunk: WeightChunk) -> None:
+        assembler = self._assembler
+        if assembler is not None:
+            assembler.release(chunk)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -323,8 +388,10 @@ class WeightReceiver:
         return max(keys) if keys else None
 
     def statistics(self) -> dict[str, float]:
+        stream = self._stream.counters if self._stream is not None else {}
         return {
             **self.counters,
+            **{f"stream_{k}": v for k, v in stream.items()},
             "uplink_bytes": self._uplink.bytes,
             "downlink_bytes": self._downlink.bytes,
         }
@@ -356,10 +423,20 @@ class WeightReceiver:
                 elif isinstance(message, WeightChunk):
                     await self._take(message)
 
-    async def _relay_loop(self) -> None:
+    async def _inbound(self, limit: int = 16) -> list[WeightChunk]:
+        """The next chunks from the relay inbox, as many as arrived together (<= limit)."""
+        if self._stream is not None:
+            chunks = [await self._landed.get()]
+            while len(chunks) < limit and not self._landed.empty():
+                chunks.append(self._landed.get_nowait())
+            self._stream.taken(len(chunks))
+            return chunks
         assert self._inbox is not None
+        return [m for m in await self._inbox.recv_many(limit) if isinstance(m, WeightChunk)]
+
+    async def _relay_loop(self) -> None:
         while True:
-            chunks = [m for m in await self._inbox.recv_many(16) if isinstance(m, WeightChunk)]
+            chunks = await self._inbound()
             if self._delay is not None or self._downlink.capped:
                 for chunk in chunks:
                     await self._take(chunk)
@@ -540,16 +617,10 @@ class WeightReceiver:
 
     # -- outputs ---------------------------------------------------------------------
 
-    def _push(self, address: str) -> PushEndpoint:
+    def _push(self, address: str) -> ChunkSender:
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = self._transport.push(
-                name=f"{self.name}.relay->{address}",
-                connect=[address],
-                options=SocketOptions(
-                    hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)
-                ),
-            )
+            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20)
             self._pushes[address] = push
         return push
 
@@ -563,9 +634,9 @@ class WeightReceiver:
                 continue
             await self._uplink.acquire(chunk.data.nbytes)
             try:
-                sent = await asyncio.wait_for(
-                    self._push(address).send(chunk), self.send_timeout_s
-                )
+                # asyncio.timeout, not wait_for: no task per chunk (3.11 wraps each in one)
+                async with asyncio.timeout(self.send_timeout_s):
+                    sent = await self._push(address).send(chunk)
             except (TimeoutError, ClosedError, TransportError):
                 sent = False
             if sent:
@@ -694,7 +765,7 @@ class WeightBroadcaster:
         self._new = asyncio.Event()
         self._changed = asyncio.Condition()
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
-        self._pushes: dict[str, PushEndpoint] = {}
+        self._pushes: dict[str, ChunkSender] = {}
         self.t_bcast: dict[Key, float] = {}
         self.last_t_bcast_s = float("nan")
         self.counters = dict.fromkeys(
@@ -920,17 +991,11 @@ class WeightBroadcaster:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = self._transport.push(
-                name=f"{self.name}.seed->{address}",
-                connect=[address],
-                options=SocketOptions(
-                    hwm=RELAY_HWM,
-                    max_message_bytes=_max_message_bytes(self.chunk_bytes),
-                ),
-            )
+            push = chunk_sender(self._transport, f"{self.name}.seed", address, self.chunk_bytes)
             self._pushes[address] = push
         try:
-            sent = await asyncio.wait_for(push.send(chunk), self.send_timeout_s)
+            async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for
+                sent = await push.send(chunk)
         except (TimeoutError, ClosedError, TransportError):
             sent = False
         if sent:
@@ -975,6 +1040,7 @@ class WeightBroadcaster:
 
 
 __all__ = [
+    "DATA_PLANES",
     "GAMMA",
     "MODES",
     "WeightBroadcaster",
