@@ -227,3 +227,27 @@ def test_addresses_are_checked() -> None:
     for bad in ("tcp://10.0.0.2:5555", "chunkstream://nohost", "chunkstream://:12"):
         with pytest.raises(ValueError):
             parse_address(bad)
+
+
+async def test_a_peer_stuck_mid_chunk_is_dropped_on_demand() -> None:
+    snap = snapshot()
+    manifest = make_manifest(snap, CHUNK)
+    assembler = SnapshotAssembler(manifest)
+    inbox = Inbox(assembler)
+    host, port = parse_address(await inbox.start())
+    loop = asyncio.get_running_loop()
+    peer = socket.create_connection((host, port))
+    peer.setblocking(False)
+    try:
+        await loop.sock_sendall(peer, HEADER.pack(MAGIC, 1, 1, 1, 4, CHUNK) + bytes(100))  # then silence
+        async with asyncio.timeout(10):
+            await inbox.header_read.wait()
+        assert assembler.destination(4, CHUNK) is None  # held by the silent peer
+        assert inbox.server.drop_partial() == 1
+        async with asyncio.timeout(10):
+            await inbox.gone.wait()
+        assert await closed_by_peer(peer)
+    finally:
+        peer.close()
+        inbox.server.close()
+    assert assembler.destination(4, CHUNK) is not None

@@ -240,6 +240,36 @@ async def test_dropped_and_corrupted_chunks_are_repaired_and_counted(medium: str
         assert h.broadcaster.counters["repair_chunks_sent"] > 0
 
 
+async def test_a_peer_holding_a_chunk_place_cannot_stall_the_version() -> None:
+    """A peer that opens a chunk stream, sends a header and goes quiet holds that chunk's
+    place in the buffer; the stalled version drops it, and the repair lands."""
+    import socket
+
+    from echo2.transport.chunkstream import HEADER, MAGIC, parse_address
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        return None if chunk.index == 0 else chunk  # chunk 0 only comes by repair
+
+    async with harness(mode="relay", fault=fault, medium="tcp") as h:
+        receiver = h.add("a", gap_timeout_s=0.3)
+        await h.broadcaster.wait_members(1)
+        host, port = parse_address(receiver.relay_address)
+        rogue = socket.create_connection((host, port))
+        try:
+            snap = snapshot(1)
+            manifest = make_manifest(snap, CHUNK)
+            h.broadcaster.publish_nowait(snap, manifest)
+            async with asyncio.timeout(5):
+                while receiver.assembling != (1, 1):  # the manifest is in: places exist
+                    await asyncio.sleep(0.005)
+            rogue.sendall(HEADER.pack(MAGIC, 1, 1, 1, 0, CHUNK))  # claims chunk 0, sends nothing
+            await h.wait_complete(["a"], 1, timeout_s=10)
+        finally:
+            rogue.close()
+        assert equal_to(h.complete["a"][-1], snap)
+        assert receiver.counters["stalled_streams_dropped"] >= 1
+
+
 async def test_forged_or_older_manifests_are_rejected() -> None:
     async with harness() as h:
         receiver = h.add("a")

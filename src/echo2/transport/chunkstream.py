@@ -93,6 +93,10 @@ class _Connection(asyncio.BufferedProtocol):
             chunk, self._chunk, self._body = self._chunk, None, None
             self._server._abandon(chunk)
 
+    @property
+    def mid_chunk(self) -> bool:
+        return self._chunk is not None
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is None:
             return self._header_view[self._got :]
@@ -196,6 +200,16 @@ class ChunkStreamServer:
             for connection in self._connections:
                 if connection.transport is not None and not connection.transport.is_closing():
                     connection.transport.resume_reading()
+
+    def drop_partial(self) -> int:
+        """Close every connection that is in the middle of a chunk (its place goes back
+        through ``abandon``); returns how many. For a consumer that saw no progress for a
+        while: a peer that sent a header and went quiet must not hold a place forever."""
+        stuck = [c for c in self._connections if c.mid_chunk and c.transport is not None]
+        for connection in stuck:
+            assert connection.transport is not None
+            connection.transport.abort()
+        return len(stuck)
 
     def close(self) -> None:
         if self._server is not None:

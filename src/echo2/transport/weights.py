@@ -288,6 +288,7 @@ class WeightReceiver:
                 "repair_chunks_requested",
                 "versions_complete",
                 "spare_buffers_used",
+                "stalled_streams_dropped",
             ),
             0,
         )
@@ -716,6 +717,10 @@ class WeightReceiver:
                 now - max(self._progress.last_s, self._progress.requested_s)
                 >= self.gap_timeout_s
             ):
+                if self._stream is not None:
+                    # A stream stuck mid-chunk holds that chunk's place in the buffer, so
+                    # its repair could never land; a stalled version frees them all.
+                    self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
                 await self._request_missing(assembler)
 
     async def _request_missing(self, assembler: SnapshotAssembler) -> None:
