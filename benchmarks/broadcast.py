@@ -16,8 +16,15 @@ the publisher's uplink B0 = Bw; ``b0=2bw``: B0 = 2 Bw. The caps are the applicat
 token buckets of ``echo2.transport.link`` and apply to every byte on the weight path.
 
 Also measured in the same run: raw TCP loopback bandwidth (two threads, plain sockets,
-``sendall``/``recv_into``) and, uncapped, ``torch.distributed.broadcast`` over gloo of the
+``sendall``/``recv_into``), twice: once cache-hot (one 1 MB buffer sent over and over, the
+kernel's best case) and, uncapped at N = 1, once right before every measured version,
+moving that version's bytes into a pre-mapped buffer of the same size (paired: each
+transfer is compared with raw TCP under the same load, and the median of the per-version
+ratios is the figure); and, uncapped, ``torch.distributed.broadcast`` over gloo of the
 same bytes to N ranks (N + 1 processes, tcp init on 127.0.0.1).
+
+Receivers' relay inboxes are chunk streams (``--data-plane stream``, the default over tcp:
+bytes land straight in the assembly buffer) or ZeroMQ PULL sockets (``--data-plane zmq``).
 
 Floors (issue 'weight dissemination'): capped b0=bw, N=8: relay <= 1.25 x G/Bw, star
 >= 6 x G/Bw; uncapped N=1 (relay) >= 0.5 x raw TCP.

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore"), pytest.mar
 
 @pytest.fixture(scope="module")
 def engine():  # type: ignore[no-untyped-def]
-    eng = make_engine("vllm", model_dir="smollm2", seed=0, max_model_len=512, enforce_eager=True)  # starts in seconds
+    eng = make_engine("vllm", model_dir="smollm2", seed=0, max_model_len=512)
     yield eng
     eng.close()
 
