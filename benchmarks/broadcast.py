@@ -25,6 +25,8 @@ same bytes to N ranks (N + 1 processes, tcp init on 127.0.0.1).
 
 Receivers' relay inboxes are chunk streams (``--data-plane stream``, the default over tcp:
 bytes land straight in the assembly buffer) or ZeroMQ PULL sockets (``--data-plane zmq``).
+Shared memory is off unless ``--shm`` (then, uncapped, every subscriber maps each version
+from ``/dev/shm`` and nothing crosses TCP; paired raw TCP is still reported beside it).
 
 Floors (issue 'weight dissemination'): capped b0=bw, N=8: relay <= 1.25 x G/Bw, star
 >= 6 x G/Bw; uncapped N=1 (relay) >= 0.5 x raw TCP.
@@ -58,6 +60,7 @@ from echo2.transport.broadcast import (
     prefaulted_buffer,
 )
 from echo2.transport.link import LinkSpec
+from echo2.transport.shm import default_shm_dir
 from echo2.transport.weights import DATA_PLANES, WeightBroadcaster, WeightReceiver
 
 MODES = ("star", "relay", "striped")
@@ -68,7 +71,7 @@ REGIMES = ("uncapped", "b0=bw", "b0=2bw")
 
 
 async def _subscriber(
-    name: str, control_url: str, link: LinkSpec, chunk_bytes: int, data_plane: str
+    name: str, control_url: str, link: LinkSpec, chunk_bytes: int, data_plane: str, shm: bool
 ) -> None:
     transport = Transport()
     control = transport.dealer(
@@ -91,6 +94,7 @@ async def _subscriber(
         chunk_bytes_hint=chunk_bytes,
         on_complete=done,
         data_plane=data_plane,
+        shm_dir=default_shm_dir() if shm else None,
     )
     receiver.open()
     stop = asyncio.Event()
@@ -106,8 +110,10 @@ async def _subscriber(
 
 
 def subscriber_main(argv: list[str]) -> None:
-    name, url, up, down, chunk, data_plane = argv
-    asyncio.run(_subscriber(name, url, LinkSpec(float(up), float(down)), int(chunk), data_plane))
+    name, url, up, down, chunk, data_plane, shm = argv
+    asyncio.run(
+        _subscriber(name, url, LinkSpec(float(up), float(down)), int(chunk), data_plane, shm == "shm")
+    )
 
 
 # -- references ------------------------------------------------------------------------------
@@ -240,6 +246,7 @@ async def run_regime(
     repeats: int = 1,
     paired_raw: bool = False,
     data_plane: str = "stream",
+    shm: bool = False,
 ) -> dict[str, dict[str, Any]]:
     transport = Transport()
     router = transport.router(name="bench.weights", bind=["tcp://127.0.0.1:0"])
@@ -253,6 +260,7 @@ async def run_regime(
         link=pub_link,
         member_ttl_s=30.0,
         send_timeout_s=60.0,
+        shm_dir=default_shm_dir() if shm else None,
     )
     procs = [
         subprocess.Popen(  # noqa: ASYNC220 (started once, before any transfer)
@@ -266,6 +274,7 @@ async def run_regime(
                 str(sub_link.downlink_mbps),
                 str(chunk),
                 data_plane,
+                "shm" if shm else "net",
             ],
         )
         for i in range(n)
@@ -359,6 +368,10 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument(
+        "--shm", action="store_true",
+        help="uncapped: subscribers on this host map versions from shared memory (no TCP)",
+    )
+    parser.add_argument(
         "--data-plane", default="stream", choices=DATA_PLANES,
         help="receivers' relay inboxes: chunk streams (default) or ZeroMQ PULL",
     )
@@ -403,6 +416,7 @@ def main() -> None:
                     repeats=args.repeats if regime == "uncapped" else 1,
                     paired_raw=regime == "uncapped" and n == 1,
                     data_plane=args.data_plane,
+                    shm=args.shm and regime == "uncapped",
                 )
             )
             for mode, r in res.items():
@@ -481,6 +495,7 @@ def main() -> None:
             "digest_bytes_per_s": hashing,
             "load": os.getloadavg()[0],
             "data_plane": args.data_plane,
+            "shm": args.shm,
             "rows": rows,
             "floors": [{"name": n, "value": v, "ok": ok} for n, v, ok in floors],
         }

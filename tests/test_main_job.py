@@ -48,6 +48,32 @@ async def test_grpo_in_one_process_learns(tmp_path: Path) -> None:
     assert summary["rollouts_trained"] == 150 * 16 * 8
 
 
+@pytest.mark.timeout(240)
+async def test_a_sampler_beside_the_publisher_takes_versions_from_shared_memory(tmp_path: Path) -> None:
+    from echo2.actors.weight_publisher import WeightPublisherConfig
+
+    torch.set_num_threads(1)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    job = JobConfig(staleness=1, max_new_tokens=5)
+    sampler = Sampler("sampler", SamplerConfig(credits=16, max_batch_groups=16, shm_dir=str(shm)), job)
+    actors = [
+        PromptSource("prompt_source", job=job),
+        sampler,
+        Rewarder("rewarder", job=job),
+        Buffer("buffer", job=job),
+        Learner("learner", LearnerConfig(max_steps=6, eval_every=0, eval_prompts=20), job),
+        WeightPublisher("weight_publisher", WeightPublisherConfig(shm_dir=str(shm)), job=job),
+    ]
+    async with Pipeline(actors, run_dir=tmp_path / "run") as pipeline:
+        await pipeline.wait()
+        stats = sampler.statistics()
+    assert stats["weight_shm_versions"] >= 2, stats  # versions came through shared memory
+    assert stats["installed_version"] >= 4, stats  # S = 1: the sampler kept up
+    assert stats["weight_chunks_forwarded"] == 0
+    assert list(shm.iterdir()) == []  # the publisher removed its files
+
+
 def _launch(topology: str, run_dir: Path, *overrides: str) -> dict:
     command = [sys.executable, "-m", "echo2.launch", str(ROOT / "examples" / topology), "--run-dir", str(run_dir)]
     for override in overrides:

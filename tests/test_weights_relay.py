@@ -57,8 +57,10 @@ class Harness:
         url: str,
         group: asyncio.TaskGroup,
         data_plane: str = "zmq",
+        shm_dir: str | None = None,
     ):
         self.data_plane = data_plane
+        self.shm_dir = shm_dir
         self.transport = transport
         self.broadcaster = broadcaster
         self.url = url
@@ -73,6 +75,7 @@ class Harness:
         link: LinkSpec = NO_LINK,
         gap_timeout_s: float = 0.3,
         verify_manifest=None,  # type: ignore[no-untyped-def]
+        shm: bool = True,
     ) -> WeightReceiver:
         control = self.transport.dealer(
             name=f"{name}.weights", connect=[self.url], identity=name.encode()
@@ -97,6 +100,7 @@ class Harness:
             on_complete=done,
             verify_manifest=verify_manifest,
             data_plane=self.data_plane,
+            shm_dir=self.shm_dir if shm else None,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -119,10 +123,16 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    mode: str = "relay", stripes: int = 2, link: LinkSpec = NO_LINK, fault=None, medium: str = "inproc"
+    mode: str = "relay",
+    stripes: int = 2,
+    link: LinkSpec = NO_LINK,
+    fault=None,
+    medium: str = "inproc",
+    shm_dir: str | None = None,
 ) -> AsyncIterator[Harness]:
     """``medium``: "inproc" (ZeroMQ PULL inboxes), "tcp" (chunk-stream inboxes, the default
-    over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp)."""
+    over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp). ``shm_dir``: shared memory for
+    members added with ``shm=True`` (None: every member gets chunks)."""
     transport = Transport()
     bind = "inproc://test-weights" if medium == "inproc" else "tcp://127.0.0.1:0"
     router = transport.router(name="pub.weights", bind=[bind])
@@ -136,12 +146,13 @@ async def harness(
         member_ttl_s=1.0,
         send_timeout_s=1.0,
         fault=fault,
+        shm_dir=shm_dir,
     )
     try:
         async with asyncio.TaskGroup() as group:
             main = group.create_task(broadcaster.run())
             data_plane = "stream" if medium == "tcp" else "zmq"
-            h = Harness(transport, broadcaster, router.endpoints[0], group, data_plane)
+            h = Harness(transport, broadcaster, router.endpoints[0], group, data_plane, shm_dir)
             try:
                 yield h
             finally:
@@ -198,10 +209,12 @@ async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int, medi
         assert all(s["repair_requests"] == 0 for s in stats.values()), stats
         if medium == "tcp":
             assert all(h.receivers[name].relay_address.startswith("chunkstream://") for name in names)
-            # Every streamed chunk landed in its place in the assembly buffer (no copy).
-            assert sum(s["stream_chunks_in_place"] for s in stats.values()) == sum(
-                s["chunks_received"] for s in stats.values()
-            )
+            # Streamed chunks land in their place in the assembly buffer (no copy); only
+            # one that outruns its manifest is read into a buffer of its own.
+            in_place = sum(s["stream_chunks_in_place"] for s in stats.values())
+            copied = sum(s["stream_chunks_copied"] for s in stats.values())
+            assert in_place + copied == sum(s["chunks_received"] for s in stats.values())
+            assert in_place > copied
 
 
 @pytest.mark.parametrize("medium", MEDIA)
@@ -344,3 +357,65 @@ async def test_a_newer_version_supersedes_one_still_streaming(medium: str) -> No
         await h.wait_complete(["a", "b"], 2, timeout_s=10)
         assert all(equal_to(h.complete[n][-1], snap) for n in ("a", "b"))
         assert h.broadcaster.counters["superseded"] == 1
+
+
+async def test_members_on_the_publishers_host_map_versions_from_shared_memory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with harness(mode="relay", medium="tcp", shm_dir=str(tmp_path)) as h:
+        h.add("local1")
+        h.add("local2")
+        h.add("remote", shm=False)
+        await h.broadcaster.wait_members(3)
+        for version in (1, 2):
+            snap = snapshot(version)
+            h.broadcaster.publish_nowait(snap)
+            await h.wait_complete(["local1", "local2", "remote"], version)
+            for name in ("local1", "local2", "remote"):
+                assert equal_to(h.complete[name][-1], snap)
+        n_chunks = len(make_manifest(snap, CHUNK).chunk_digests)
+        for name in ("local1", "local2"):
+            stats = h.receivers[name].statistics()
+            assert stats["shm_versions"] == 2 and stats["chunks_received"] == 2 * n_chunks
+            assert stats.get("stream_chunks_in_place", 0) == 0 and stats["repair_requests"] == 0
+        remote = h.receivers["remote"].statistics()
+        assert remote["stream_chunks_in_place"] + remote["stream_chunks_copied"] == 2 * n_chunks
+        assert h.broadcaster.counters["shm_versions_written"] == 2
+        assert h.broadcaster.counters["chunks_sent"] == 2 * n_chunks  # to the remote member only
+        assert len(list(tmp_path.iterdir())) == 1  # the older version's file is gone
+        h.add("late")  # a late joiner on the host maps the latest at once
+        await h.wait_complete(["late"], 2)
+        assert equal_to(h.complete["late"][-1], snap)
+        assert h.receivers["late"].counters["shm_versions"] == 1
+    assert list(tmp_path.iterdir()) == []  # closing the publisher removes its files
+
+
+async def test_a_corrupt_or_missing_shared_memory_version_is_repaired(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from echo2.transport import shm, weights
+
+    def write_then_flip(directory: str, name: str, data: np.ndarray) -> str:
+        path = shm.write_snapshot(directory, name, data)
+        with open(path, "r+b") as f:  # one flipped byte in chunk 3
+            f.seek(3 * CHUNK + 10)
+            byte = f.read(1)
+            f.seek(3 * CHUNK + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        return path
+
+    monkeypatch.setattr(weights, "write_snapshot", write_then_flip)
+    async with harness(mode="relay", shm_dir=str(tmp_path)) as h:
+        receiver = h.add("a", gap_timeout_s=0.2)
+        await h.broadcaster.wait_members(1)
+        snap = snapshot(1)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(["a"], 1)
+        assert equal_to(h.complete["a"][-1], snap)
+        assert receiver.counters["corrupt_chunks"] == 1 and receiver.counters["repair_requests"] >= 1
+
+        def gone(path: str, nbytes: int) -> np.ndarray:
+            raise FileNotFoundError(path)
+
+        monkeypatch.setattr(weights, "map_snapshot", gone)
+        snap = snapshot(2)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(["a"], 2)
+        assert equal_to(h.complete["a"][-1], snap)
+        assert receiver.counters["shm_failures"] == 1

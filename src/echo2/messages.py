@@ -312,6 +312,9 @@ class WeightSubscribe(Message):
     relay_address: str
     incarnation: int = -1
     installed_version: int = -1
+    shm_id: str = ""
+    """Identity of the shared-memory directory this sampler can map (``transport.shm``);
+    "" for none. A publisher with the same identity hands it versions as ``WeightShm``."""
 
 
 class RelayChain(msgspec.Struct, frozen=True, array_like=True):
@@ -336,6 +339,16 @@ class RelayPlan(Message):
     stripes: int
     chains: list[RelayChain]
     addresses: dict[str, str] = {}
+
+
+class WeightShm(Message):
+    """WeightPublisher -> a member sharing its host, before the manifest: the version's
+    bytes are in the file ``path`` (shared memory); map it and verify it there instead of
+    waiting for a stream. The member is in no relay chain for this version."""
+
+    incarnation: int
+    version: int
+    path: str
 
 
 class ChunkRequest(Message):
@@ -372,6 +385,7 @@ AnyMessage = Union[
     WeightSubscribe,
     RelayPlan,
     ChunkRequest,
+    WeightShm,
 ]
 
 MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]

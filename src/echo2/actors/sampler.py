@@ -79,6 +79,9 @@ class SamplerConfig(ActorConfig):
     relay_host: str = ""
     """Address peers reach this sampler's relay inbox at over tcp (default: this host's
     address on the route to the publisher)."""
+    shm_dir: str = ""
+    """Shared-memory directory (e.g. "/dev/shm"): when the weight publisher shares it (same
+    host, its ``shm_dir``), versions are mapped from it and verified in place. "": off."""
     weights_data_plane: str = "stream"
     """Relay inbox over tcp: "stream" (chunks land in place in the assembly buffer,
     ``echo2.transport.chunkstream``) or "zmq" (a ZeroMQ PULL)."""
@@ -127,6 +130,7 @@ class Sampler(Actor):
             relay_host=self.config.relay_host,
             gap_timeout_s=self.config.gap_timeout_s,
             data_plane=self.config.weights_data_plane,
+            shm_dir=self.config.shm_dir or None,
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
         )
@@ -183,6 +187,7 @@ class Sampler(Actor):
             **self.counters,
             "weight_repair_requests": received["repair_requests"],
             "weight_chunks_forwarded": received["chunks_forwarded"],
+            "weight_shm_versions": received.get("shm_versions", 0),
             "installed_version": version,
             "generate_s": self.generate_s,
             "wait_weights_s": self.wait_weights_s,

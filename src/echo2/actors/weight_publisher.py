@@ -57,6 +57,9 @@ class WeightPublisherConfig(ActorConfig):
     """A chunk send that cannot complete in this long marks the peer dead for the version."""
     gamma: float = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
+    shm_dir: str = ""
+    """Shared-memory directory (e.g. "/dev/shm") for samplers on this host that set the
+    same ``shm_dir``: they map each version from it instead of receiving chunks. "": off."""
     signing_key: str = ""
     """Ed25519 private key (PEM) to sign every manifest; samplers with the public key
     install nothing else. Make one with ``python -m echo2.keys --sign``."""
@@ -104,6 +107,7 @@ class WeightPublisher(Actor):
             send_timeout_s=self.config.send_timeout_s,
             gamma=self.config.gamma,
             on_bcast=self._on_bcast,
+            shm_dir=self.config.shm_dir or None,
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 

@@ -27,6 +27,10 @@ Nothing is lost silently: PUSH and ROUTER sends block at the high-water mark ins
 dropping, a send that cannot complete within ``send_timeout_s`` (dead peer) is counted and
 that peer skipped for the version, and every gap ends in a repair.
 
+Shared memory (optional, ``shm_dir`` on both sides): members on the publisher's host map
+each version from a file the publisher writes once (``echo2.transport.shm``) and verify it
+in place; they take no part in relay chains.
+
 Link emulation (``LinkSpec``): the publisher's uplink, and each receiver's uplink and
 downlink, pace every byte on the weight path (chunks streamed, forwarded and repaired);
 ``latency_ms`` delays each chunk a receiver takes in, pipelined.
@@ -62,6 +66,7 @@ from echo2.messages import (
     Snapshot,
     WeightChunk,
     WeightManifest,
+    WeightShm,
     WeightsInstalled,
     WeightSubscribe,
 )
@@ -84,6 +89,7 @@ from echo2.transport.endpoint import (
     SocketOptions,
 )
 from echo2.transport.link import DelayLine, LinkSpec
+from echo2.transport.shm import map_snapshot, shm_identity, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +237,14 @@ class WeightReceiver:
         verify_threads: int = 2,
         prefault_next: bool = True,
         data_plane: str = "stream",
+        shm_dir: str | None = None,
     ) -> None:
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         self.data_plane = data_plane
+        self.shm_id = shm_identity(shm_dir)
+        self._shm_offer: WeightShm | None = None
+        self._shm_key: Key | None = None  # the last version taken from shared memory
         self._verify_manifest = verify_manifest
         self.prefault_next = prefault_next
         self._spare: np.ndarray | None = None
@@ -289,6 +299,8 @@ class WeightReceiver:
                 "versions_complete",
                 "spare_buffers_used",
                 "stalled_streams_dropped",
+                "shm_versions",
+                "shm_failures",
             ),
             0,
         )
@@ -419,6 +431,8 @@ class WeightReceiver:
             for message in await self._control.recv_many():
                 if isinstance(message, RelayPlan):
                     self._on_plan(message)
+                elif isinstance(message, WeightShm):
+                    self._shm_offer = message  # its manifest comes next
                 elif isinstance(message, WeightManifest):
                     await self._on_manifest(message)
                 elif isinstance(message, WeightChunk):
@@ -523,7 +537,9 @@ class WeightReceiver:
         try:
             if self._verify_manifest is not None:
                 self._verify_manifest(manifest)  # before any memory is committed to it
-            assembler = SnapshotAssembler(manifest, self._take_spare(manifest.total_bytes))
+            mapped = self._map_offered(manifest)
+            buffer = mapped if mapped is not None else self._take_spare(manifest.total_bytes)
+            assembler = SnapshotAssembler(manifest, buffer)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
             log.warning(
@@ -537,9 +553,38 @@ class WeightReceiver:
         self._early = {k: v for k, v in self._early.items() if k > key}
         if early:
             await self._on_chunks(early)
+        if mapped is not None:
+            self._shm_key = key
+            self.counters["shm_versions"] += 1
+            await self._verify_mapped(assembler)
         if self._assembler is assembler and not self._in_plan(key):
-            # A late joiner, or a member the plan left out: no stream is coming; repair it all.
+            # A late joiner, or a member the plan left out (shared memory: what failed to
+            # verify): no stream is coming; repair what is missing.
             await self._request_missing(assembler)
+
+    def _map_offered(self, manifest: WeightManifest) -> np.ndarray | None:
+        """The version's bytes mapped from shared memory, if the publisher offered them."""
+        offer, self._shm_offer = self._shm_offer, None
+        if offer is None or (offer.incarnation, offer.version) != (manifest.incarnation, manifest.version):
+            return None
+        try:
+            return map_snapshot(offer.path, manifest.total_bytes)
+        except OSError as exc:
+            self.counters["shm_failures"] += 1
+            log.warning("%s: cannot map v%d from %s (%s); repairing instead", self.name, manifest.version, offer.path, exc)
+            return None
+
+    async def _verify_mapped(self, assembler: SnapshotAssembler) -> None:
+        """Verify every chunk where it lies in the mapped file, split over the verify threads."""
+        m = assembler.manifest
+        chunks = []
+        for index in range(len(m.chunk_digests)):
+            size = min(m.chunk_bytes, m.total_bytes - index * m.chunk_bytes)
+            region = assembler.destination(index, size)
+            if region is not None:  # None: already held (an early chunk)
+                chunks.append(WeightChunk(incarnation=m.incarnation, version=m.version, index=index, data=region))
+        threads = self._verify_threads
+        await asyncio.gather(*(self._on_chunks(chunks[part::threads]) for part in range(min(threads, len(chunks)))))
 
     async def _on_chunks(self, chunks: list[WeightChunk]) -> None:
         assembler = self._assembler
@@ -582,7 +627,8 @@ class WeightReceiver:
             self._assembler = None
             self._complete_key = assembler.key
             self.counters["versions_complete"] += 1
-            self._prepare_spare(assembler.manifest.total_bytes)
+            if assembler.key != self._shm_key:  # shared-memory members need no spare
+                self._prepare_spare(assembler.manifest.total_bytes)
             if self._on_complete is not None:
                 self._on_complete(assembler)
 
@@ -701,6 +747,7 @@ class WeightReceiver:
                     relay_address=self.relay_address,
                     incarnation=installed[0],
                     installed_version=installed[1],
+                    shm_id=self.shm_id,
                 )
             )
             await asyncio.sleep(self.announce_s)
@@ -751,6 +798,7 @@ class _Member:
     last_seen_s: float
     manifest_sent_s: float = 0.0
     installed: Key = (-1, -1)
+    shm_id: str = ""
 
 
 @dataclasses.dataclass
@@ -761,6 +809,7 @@ class _Version:
     active: frozenset[str] = frozenset()
     installed: set[str] = dataclasses.field(default_factory=set)
     t_bcast_s: float | None = None
+    shm_path: str | None = None
 
     @property
     def key(self) -> Key:
@@ -789,7 +838,10 @@ class WeightBroadcaster:
         gamma: float = GAMMA,
         fault: Fault | None = None,
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
+        shm_dir: str | None = None,
     ) -> None:
+        """``shm_dir``: where versions for members sharing this host are written (None:
+        never; every member then gets chunks)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
@@ -812,6 +864,9 @@ class WeightBroadcaster:
         self._changed = asyncio.Condition()
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
+        self.shm_dir = shm_dir
+        self.shm_id = shm_identity(shm_dir)
+        self._shm_files: list[str] = []
         self.t_bcast: dict[Key, float] = {}
         self.last_t_bcast_s = float("nan")
         self.counters = dict.fromkeys(
@@ -827,6 +882,8 @@ class WeightBroadcaster:
                 "unroutable",
                 "members_expired",
                 "installs",
+                "shm_versions_written",
+                "shm_failures",
             ),
             0,
         )
@@ -889,6 +946,7 @@ class WeightBroadcaster:
         for push in self._pushes.values():
             push.close()
         self._pushes.clear()
+        self._drop_shm_files(keep=0)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -925,6 +983,7 @@ class WeightBroadcaster:
             member = _Member(peer, message.relay_address, now)
             self._members[message.sampler_id] = member
         member.last_seen_s = now
+        member.shm_id = message.shm_id
         member.installed = max(
             member.installed, (message.incarnation, message.installed_version)
         )
@@ -939,6 +998,8 @@ class WeightBroadcaster:
             # Late joiner (or a member that lost track): the latest version at once.
             member.manifest_sent_s = now
             self.counters["late_joiner_manifests"] += 1
+            if self._is_local(member) and await self._shm_path(latest) is not None:
+                await self._send(peer, WeightShm(incarnation=latest.key[0], version=latest.key[1], path=latest.shm_path or ""))
             await self._send(peer, latest.manifest)
 
     def _on_installed(self, message: WeightsInstalled) -> None:
@@ -997,10 +1058,49 @@ class WeightBroadcaster:
                 await asyncio.wait([current])  # our own cancellation still propagates
             current = group.create_task(self._stream(version))
 
+    def _is_local(self, member: _Member) -> bool:
+        return bool(self.shm_id) and member.shm_id == self.shm_id
+
+    async def _shm_path(self, version: _Version) -> str | None:
+        """The file holding ``version`` in shared memory, written on first need; None if
+        it cannot be written (members then get chunks instead)."""
+        if version.shm_path is None and self.shm_dir is not None:
+            name = f"echo2-weights-{os.getpid()}-{os.urandom(4).hex()}-{version.key[0]}-{version.key[1]}"
+            # Listed before it exists, so that it is removed even if this stream is
+            # superseded (cancelled) while the write goes on in its thread.
+            self._shm_files.append(os.path.join(self.shm_dir, name))
+            try:
+                path = await asyncio.to_thread(write_snapshot, self.shm_dir, name, version.snapshot.data)
+            except OSError as exc:
+                self.counters["shm_failures"] += 1
+                log.warning("%s: cannot write v%d to %s (%s); repairing instead", self.name, version.key[1], self.shm_dir, exc)
+                return None
+            version.shm_path = path
+            self.counters["shm_versions_written"] += 1
+            self._drop_shm_files(keep=1)
+        return version.shm_path
+
+    def _drop_shm_files(self, keep: int) -> None:
+        """Unlink all but the newest ``keep`` files (members that mapped one keep it)."""
+        while len(self._shm_files) > keep:
+            path = self._shm_files.pop(0)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # removed from outside; nothing left to free
+
     async def _stream(self, version: _Version) -> None:
         names = sorted(self.members())
-        stripes, chains = relay_plan(names, self.mode, self.stripes)
-        addresses = {n: self._members[n].address for n in names}
+        version.active = frozenset(names)
+        version.published_s = time.monotonic()
+        self._latest = version
+        self.counters["published"] += 1
+        # Members sharing this host map the version from shared memory (written while the
+        # others' stream starts); the plan covers the others.
+        local = [n for n in names if self._is_local(self._members[n])] if self.shm_dir else []
+        remote = [n for n in names if n not in local]
+        stripes, chains = relay_plan(remote, self.mode, self.stripes)
+        addresses = {n: self._members[n].address for n in remote}
         plan = RelayPlan(
             incarnation=version.key[0],
             version=version.key[1],
@@ -1008,15 +1108,32 @@ class WeightBroadcaster:
             chains=chains,
             addresses=addresses,
         )
-        version.active = frozenset(names)
-        version.published_s = time.monotonic()
-        self._latest = version
-        self.counters["published"] += 1
-        for name in names:
+        for name in remote:
             member = self._members[name]
             member.manifest_sent_s = version.published_s
             if await self._send(member.peer, plan):
                 await self._send(member.peer, version.manifest)
+        if local:
+            await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses))
+        else:
+            await self._stream_chunks(version, stripes, chains, addresses)
+
+    async def _offer_shm(self, version: _Version, names: list[str]) -> None:
+        """Shared memory for ``names``; if it cannot be written they get the manifest
+        alone and, being in no chain, repair the version from the publisher."""
+        path = await self._shm_path(version)
+        for name in names:
+            member = self._members.get(name)
+            if member is None:
+                continue
+            member.manifest_sent_s = version.published_s
+            offer = WeightShm(incarnation=version.key[0], version=version.key[1], path=path) if path else None
+            if offer is None or await self._send(member.peer, offer):
+                await self._send(member.peer, version.manifest)
+
+    async def _stream_chunks(
+        self, version: _Version, stripes: int, chains: list[RelayChain], addresses: dict[str, str]
+    ) -> None:
         seeds: dict[int, list[str]] = {}
         for chain in chains:
             seeds.setdefault(chain.stripe, []).append(chain.members[0])
