@@ -136,7 +136,8 @@ class Rewarder(Actor):
         loop = asyncio.get_running_loop()
         call = loop.run_in_executor(self._pool, self._score_in_thread, prompt, texts)
         try:
-            return await asyncio.wait_for(call, self.config.item_timeout_s * max(1, len(texts)))
+            async with asyncio.timeout(self.config.item_timeout_s * max(1, len(texts))):
+                return await call  # (not wait_for: on 3.11 it can swallow a cancellation)
         except TimeoutError:
             self._thread_hung()
             return list(await asyncio.gather(*(self._score_one(prompt, text) for text in texts)))
@@ -149,7 +150,8 @@ class Rewarder(Actor):
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, _checked, self._task.reward, prompt, completion)
         try:
-            return await asyncio.wait_for(future, self.config.item_timeout_s)
+            async with asyncio.timeout(self.config.item_timeout_s):
+                return await future
         except TimeoutError:
             self._thread_hung()
             return 0.0, "timeout"

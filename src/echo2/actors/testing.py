@@ -148,7 +148,8 @@ class Failing(Actor):
 
     async def run(self) -> None:
         try:
-            await asyncio.wait_for(self.ctx.stopping.wait(), self.config.after_s)
+            async with asyncio.timeout(self.config.after_s):
+                await self.ctx.stopping.wait()
         except TimeoutError:
             raise RuntimeError(self.config.message) from None
 

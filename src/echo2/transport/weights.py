@@ -1033,9 +1033,11 @@ class WeightBroadcaster:
 
     async def _send(self, peer: bytes, message: Any) -> bool:
         try:
-            ok = await asyncio.wait_for(
-                self._control.send(peer, message), self.send_timeout_s
-            )
+            # asyncio.timeout, never wait_for: on 3.11 wait_for can return the send's result
+            # and drop a cancellation that arrived at the same moment, leaving a loop that
+            # was told to stop running forever (seen as a hung shutdown).
+            async with asyncio.timeout(self.send_timeout_s):
+                ok = await self._control.send(peer, message)
         except TimeoutError:
             ok = False
         if not ok:
