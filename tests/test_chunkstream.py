@@ -10,8 +10,19 @@ import pytest
 
 from echo2.errors import TransportError
 from echo2.messages import Snapshot, WeightChunk
-from echo2.transport.broadcast import SnapshotAssembler, flatten_tensors, iter_chunks, make_manifest
-from echo2.transport.chunkstream import HEADER, MAGIC, ChunkStreamSender, ChunkStreamServer, parse_address
+from echo2.transport.broadcast import (
+    SnapshotAssembler,
+    flatten_tensors,
+    iter_chunks,
+    make_manifest,
+)
+from echo2.transport.chunkstream import (
+    HEADER,
+    MAGIC,
+    ChunkStreamSender,
+    ChunkStreamServer,
+    parse_address,
+)
 
 CHUNK = 64 * 1024
 
@@ -130,6 +141,13 @@ async def test_a_corrupt_chunk_received_in_place_is_counted_and_its_place_freed(
     assert bytes(assembler.buffer[:CHUNK]) == bytes(snap.data[:CHUNK])
 
 
+def raw_peer(address: str) -> socket.socket:
+    """A non-blocking plain TCP connection to a chunk stream server, to misbehave on."""
+    peer = socket.create_connection(parse_address(address))
+    peer.setblocking(False)
+    return peer
+
+
 async def closed_by_peer(sock: socket.socket) -> bool:
     """Whether the other end closed ``sock`` (EOF, or a reset when it left data unread)."""
     try:
@@ -145,16 +163,13 @@ async def test_malformed_frames_close_only_their_connection() -> None:
     assembler = SnapshotAssembler(manifest)
     inbox = Inbox(assembler)
     address = await inbox.start()
-    host, port = parse_address(address)
     loop = asyncio.get_running_loop()
-    rogue = socket.create_connection((host, port))
-    rogue.setblocking(False)
+    rogue = raw_peer(address)
     try:
         await loop.sock_sendall(rogue, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * HEADER.size)
         assert await closed_by_peer(rogue)
         oversized = HEADER.pack(MAGIC, 1, 1, 1, 0, 1 << 30)  # a body over max_chunk_bytes
-        rogue2 = socket.create_connection((host, port))
-        rogue2.setblocking(False)
+        rogue2 = raw_peer(address)
         await loop.sock_sendall(rogue2, oversized)
         assert await closed_by_peer(rogue2)
         rogue2.close()
@@ -176,10 +191,9 @@ async def test_a_peer_lost_mid_chunk_gives_its_place_back() -> None:
     manifest = make_manifest(snap, CHUNK)
     assembler = SnapshotAssembler(manifest)
     inbox = Inbox(assembler)
-    host, port = parse_address(await inbox.start())
+    address = await inbox.start()
     loop = asyncio.get_running_loop()
-    peer = socket.create_connection((host, port))
-    peer.setblocking(False)
+    peer = raw_peer(address)
     await loop.sock_sendall(peer, HEADER.pack(MAGIC, 1, 1, 1, 2, CHUNK) + bytes(CHUNK // 2))
     async with asyncio.timeout(10):
         await inbox.header_read.wait()  # chunk 2's place is claimed; now the peer dies mid-body
@@ -234,10 +248,9 @@ async def test_a_peer_stuck_mid_chunk_is_dropped_on_demand() -> None:
     manifest = make_manifest(snap, CHUNK)
     assembler = SnapshotAssembler(manifest)
     inbox = Inbox(assembler)
-    host, port = parse_address(await inbox.start())
+    address = await inbox.start()
     loop = asyncio.get_running_loop()
-    peer = socket.create_connection((host, port))
-    peer.setblocking(False)
+    peer = raw_peer(address)
     try:
         await loop.sock_sendall(peer, HEADER.pack(MAGIC, 1, 1, 1, 4, CHUNK) + bytes(100))  # then silence
         async with asyncio.timeout(10):

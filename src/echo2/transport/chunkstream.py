@@ -165,7 +165,6 @@ class ChunkStreamServer:
         self._paused = False
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
-        self.address = ""
         self.counters = dict.fromkeys(
             ("chunks_in_place", "chunks_copied", "reads", "malformed", "frames_truncated", "pauses"), 0
         )

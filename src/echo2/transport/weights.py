@@ -70,8 +70,6 @@ from echo2.messages import (
     WeightsInstalled,
     WeightSubscribe,
 )
-from echo2.transport.chunkstream import SCHEME as STREAM_SCHEME
-from echo2.transport.chunkstream import ChunkStreamSender, ChunkStreamServer, is_stream_address
 from echo2.transport.broadcast import (
     DEFAULT_CHUNK_BYTES,
     ManifestRejected,
@@ -79,6 +77,12 @@ from echo2.transport.broadcast import (
     iter_chunks,
     make_manifest,
     prefaulted_buffer,
+)
+from echo2.transport.chunkstream import SCHEME as STREAM_SCHEME
+from echo2.transport.chunkstream import (
+    ChunkStreamSender,
+    ChunkStreamServer,
+    is_stream_address,
 )
 from echo2.transport.context import Transport
 from echo2.transport.endpoint import (
@@ -998,9 +1002,10 @@ class WeightBroadcaster:
             # Late joiner (or a member that lost track): the latest version at once.
             member.manifest_sent_s = now
             self.counters["late_joiner_manifests"] += 1
-            if self._is_local(member) and await self._shm_path(latest) is not None:
-                await self._send(peer, WeightShm(incarnation=latest.key[0], version=latest.key[1], path=latest.shm_path or ""))
-            await self._send(peer, latest.manifest)
+            if self._is_local(member):
+                await self._send_local(member, latest)
+            else:
+                await self._send(peer, latest.manifest)
 
     def _on_installed(self, message: WeightsInstalled) -> None:
         key = (message.incarnation, message.version)
@@ -1099,7 +1104,7 @@ class WeightBroadcaster:
         self.counters["published"] += 1
         # Members sharing this host map the version from shared memory (written while the
         # others' stream starts); the plan covers the others.
-        local = [n for n in names if self._is_local(self._members[n])] if self.shm_dir else []
+        local = [n for n in names if self._is_local(self._members[n])]
         remote = [n for n in names if n not in local]
         stripes, chains = relay_plan(remote, self.mode, self.stripes)
         addresses = {n: self._members[n].address for n in remote}
@@ -1121,17 +1126,20 @@ class WeightBroadcaster:
             await self._stream_chunks(version, stripes, chains, addresses)
 
     async def _offer_shm(self, version: _Version, names: list[str]) -> None:
-        """Shared memory for ``names``; if it cannot be written they get the manifest
-        alone and, being in no chain, repair the version from the publisher."""
-        path = await self._shm_path(version)
         for name in names:
             member = self._members.get(name)
-            if member is None:
-                continue
-            member.manifest_sent_s = version.published_s
-            offer = WeightShm(incarnation=version.key[0], version=version.key[1], path=path) if path else None
-            if offer is None or await self._send(member.peer, offer):
-                await self._send(member.peer, version.manifest)
+            if member is not None:
+                member.manifest_sent_s = version.published_s
+                await self._send_local(member, version)
+
+    async def _send_local(self, member: _Member, version: _Version) -> None:
+        """``WeightShm``, then the manifest, to a member on this host. If the version
+        cannot be put in shared memory the manifest goes alone: the member, in no chain,
+        then repairs the version from the publisher."""
+        path = await self._shm_path(version)
+        offer = WeightShm(incarnation=version.key[0], version=version.key[1], path=path) if path else None
+        if offer is None or await self._send(member.peer, offer):
+            await self._send(member.peer, version.manifest)
 
     async def _stream_chunks(
         self, version: _Version, stripes: int, chains: list[RelayChain], addresses: dict[str, str]
