@@ -74,15 +74,11 @@ async def _subscriber(
     name: str, control_url: str, link: LinkSpec, chunk_bytes: int, data_plane: str, shm: bool
 ) -> None:
     transport = Transport()
-    control = transport.dealer(
-        name=f"{name}.weights", connect=[control_url], identity=name.encode()
-    )
+    control = transport.dealer(name=f"{name}.weights", connect=[control_url], identity=name.encode())
     receiver: WeightReceiver
 
     def done(assembler: SnapshotAssembler) -> None:
-        asyncio.get_running_loop().create_task(
-            receiver.report_installed(assembler.key, 0.0)
-        )
+        asyncio.get_running_loop().create_task(receiver.report_installed(assembler.key, 0.0))
 
     receiver = WeightReceiver(
         transport,
@@ -111,9 +107,7 @@ async def _subscriber(
 
 def subscriber_main(argv: list[str]) -> None:
     name, url, up, down, chunk, data_plane, shm = argv
-    asyncio.run(
-        _subscriber(name, url, LinkSpec(float(up), float(down)), int(chunk), data_plane, shm == "shm")
-    )
+    asyncio.run(_subscriber(name, url, LinkSpec(float(up), float(down)), int(chunk), data_plane, shm == "shm"))
 
 
 # -- references ------------------------------------------------------------------------------
@@ -136,9 +130,7 @@ def raw_tcp_bandwidth(nbytes: int, source: np.ndarray | None = None) -> float:
         payload = memoryview(source).cast("B")
         sink = prefaulted_buffer(nbytes)
     else:
-        payload = memoryview(
-            np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes()
-        )
+        payload = memoryview(np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes())
         sink = np.empty(1 << 20, dtype=np.uint8)
     rounds = -(-nbytes >> 20)
     view = memoryview(sink).cast("B")
@@ -181,9 +173,7 @@ def _gloo_rank(rank: int, world: int, port: int, nbytes: int, repeats: int, out:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     data = torch.zeros(nbytes, dtype=torch.uint8)
     if rank == 0:
         data += 7
@@ -205,10 +195,7 @@ def gloo_broadcast_s(n: int, nbytes: int, repeats: int = 1) -> float:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [
-        ctx.Process(target=_gloo_rank, args=(r, n + 1, port, nbytes, repeats, out))
-        for r in range(n + 1)
-    ]
+    procs = [ctx.Process(target=_gloo_rank, args=(r, n + 1, port, nbytes, repeats, out)) for r in range(n + 1)]
     for p in procs:
         p.start()
     try:
@@ -263,7 +250,7 @@ async def run_regime(
         shm_dir=default_shm_dir() if shm else None,
     )
     procs = [
-        subprocess.Popen(  # noqa: ASYNC220 (started once, before any transfer)
+        subprocess.Popen(
             [
                 sys.executable,
                 __file__,
@@ -356,9 +343,7 @@ async def run_regime(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mb", type=float, default=64.0)
     parser.add_argument("--chunk-mb", type=float, default=1.0)
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -368,20 +353,23 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=REGIMES)
     parser.add_argument("--no-gloo", action="store_true")
     parser.add_argument(
-        "--shm", action="store_true",
+        "--shm",
+        action="store_true",
         help="uncapped: subscribers on this host map versions from shared memory (no TCP)",
     )
     parser.add_argument(
-        "--data-plane", default="stream", choices=DATA_PLANES,
+        "--data-plane",
+        default="stream",
+        choices=DATA_PLANES,
         help="receivers' relay inboxes: chunk streams (default) or ZeroMQ PULL",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3,
+        "--repeats",
+        type=int,
+        default=3,
         help="uncapped: versions per mode (and raw TCP runs); medians are reported",
     )
-    parser.add_argument(
-        "--json", default="", help="write results as JSON here ('-': stdout)"
-    )
+    parser.add_argument("--json", default="", help="write results as JSON here ('-': stdout)")
     args = parser.parse_args()
     nbytes = int(args.size_mb * (1 << 20))
     chunk = int(args.chunk_mb * (1 << 20))
@@ -412,7 +400,13 @@ def main() -> None:
         for n in args.n:
             res = asyncio.run(
                 run_regime(
-                    n, args.modes, nbytes, chunk, sub, pub, args.stripes,
+                    n,
+                    args.modes,
+                    nbytes,
+                    chunk,
+                    sub,
+                    pub,
+                    args.stripes,
                     repeats=args.repeats if regime == "uncapped" else 1,
                     paired_raw=regime == "uncapped" and n == 1,
                     data_plane=args.data_plane,
@@ -427,16 +421,12 @@ def main() -> None:
                 print(f"  gloo     N={n}: {t:7.3f} s", file=sys.stderr, flush=True)
                 rows.append({"regime": regime, "mode": "gloo", "n": n, "t_bcast_s": t})
     # Ratios.
-    base = {
-        (r["regime"], r["mode"]): r["t_bcast_s"] for r in rows if r["n"] == min(args.n)
-    }
+    base = {(r["regime"], r["mode"]): r["t_bcast_s"] for r in rows if r["n"] == min(args.n)}
     for r in rows:
         r["x_floor"] = r["t_bcast_s"] / floor_s if r["regime"] != "uncapped" else None
         r["x_n1"] = r["t_bcast_s"] / base[(r["regime"], r["mode"])]
         r["gb_per_s"] = nbytes / r["t_bcast_s"] / 1e9
-    print(
-        f"\n| regime | mode | N | T_bcast s | x G/Bw | x N={min(args.n)} | GB/s per subscriber |"
-    )
+    print(f"\n| regime | mode | N | T_bcast s | x G/Bw | x N={min(args.n)} | GB/s per subscriber |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         xf = f"{r['x_floor']:.2f}" if r["x_floor"] is not None else "-"
@@ -470,11 +460,11 @@ def main() -> None:
     if (one := find("uncapped", "relay", 1)) is not None:
         ratio = one["x_raw_paired"]
         floors.append(("uncapped N=1 >= 0.5 x raw TCP (same bytes, paired per version; median)", ratio, ratio >= 0.5))
-        floors.append(("(uncapped N=1 / cache-hot raw TCP, medians of separate runs)", one["gb_per_s"] * 1e9 / raw, True))
+        floors.append(
+            ("(uncapped N=1 / cache-hot raw TCP, medians of separate runs)", one["gb_per_s"] * 1e9 / raw, True)
+        )
         floors.append(("(uncapped N=1 / one-thread verification rate)", one["gb_per_s"] * 1e9 / hashing, True))
-    if (e4 := find("uncapped", "relay", 4)) is not None and (
-        g4 := find("uncapped", "gloo", 4)
-    ) is not None:
+    if (e4 := find("uncapped", "relay", 4)) is not None and (g4 := find("uncapped", "gloo", 4)) is not None:
         floors.append(
             (
                 "uncapped N=4 echo2 relay / gloo throughput",

@@ -207,7 +207,10 @@ def _predicted_bubble(probe: dict[str, Any], pool_mu: float) -> float | None:
 
     try:
         return round(
-            predicted_bubble_ratio(G * GROUPS_PER_STEP, probe["t_train_s"], probe["t_bcast_s"], probe["kappa"], pool_mu), 4
+            predicted_bubble_ratio(
+                G * GROUPS_PER_STEP, probe["t_train_s"], probe["t_bcast_s"], probe["kappa"], pool_mu
+            ),
+            4,
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -230,8 +233,11 @@ def predicted_knee(probe: dict[str, Any], mu_mean: float, max_samplers: int = 64
 def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> dict[str, Any]:
     probe_n = 24 if quick else 22
     probe = measure(
-        launch(topology_text([(UNIFORM, probe_n)], staleness=staleness, steps=steps, activation="all"),
-               workdir, f"knee-S{staleness}-n{probe_n}")
+        launch(
+            topology_text([(UNIFORM, probe_n)], staleness=staleness, steps=steps, activation="all"),
+            workdir,
+            f"knee-S{staleness}-n{probe_n}",
+        )
     )
     log(f"S={staleness} probe n={probe_n}: {probe}")
     mu_min_v, mu_mean = probe.get("mu_min"), probe.get("mu_mean")
@@ -245,8 +251,11 @@ def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> d
         sizes = [predicted - 2] if quick else [predicted + d for d in (-5, -3, -2, -1, 0)]
     for n in sorted({min(max(1, s), 32) for s in sizes} - set(points)):
         m = measure(
-            launch(topology_text([(UNIFORM, n)], staleness=staleness, steps=steps, activation="all"),
-                   workdir, f"knee-S{staleness}-n{n}")
+            launch(
+                topology_text([(UNIFORM, n)], staleness=staleness, steps=steps, activation="all"),
+                workdir,
+                f"knee-S{staleness}-n{n}",
+            )
         )
         log(f"S={staleness} n={n}: bubble {m['bubble_ratio']} (pool {m.get('pool_mu')}/s vs mu_min {m.get('mu_min')})")
         points[n] = m
@@ -260,7 +269,8 @@ def knee_sweep(workdir: Path, staleness: int, steps: int, quick: bool, log) -> d
             break
     ample = [n for n in ordered if predicted and n * mu_mean >= 1.1 * mu_min_v]
     ok_knee = (
-        measured is not None and predicted is not None
+        measured is not None
+        and predicted is not None
         and (abs(measured - predicted) <= 1 or abs(measured - predicted) <= 0.15 * predicted)
     )
     if quick:
@@ -293,7 +303,9 @@ def mixed_pool(workdir: Path, steps: int, log) -> dict[str, Any]:
         "learner_price_per_hour": LEARNER_PRICE,
     }
     for policy in ("cost_aware", "random"):
-        m = measure(launch(topology_text(pool, staleness=3, steps=steps, activation=policy), workdir, f"mixed-{policy}"))
+        m = measure(
+            launch(topology_text(pool, staleness=3, steps=steps, activation=policy), workdir, f"mixed-{policy}")
+        )
         log(f"mixed {policy}: {m}")
         out[policy] = m
     ca, rnd = out["cost_aware"], out["random"]

@@ -131,7 +131,9 @@ def _steps_per_minute(run: Path) -> tuple[float, int]:
 
 
 def _reissue_latencies(run: Path, kills: list[tuple[float, str]]) -> list[float]:
-    events = [json.loads(line) for line in (run / "ledger" / "prompt_source.jsonl").read_text().splitlines() if line.strip()]
+    events = [
+        json.loads(line) for line in (run / "ledger" / "prompt_source.jsonl").read_text().splitlines() if line.strip()
+    ]
     reissues = sorted(e["t"] for e in events if e["ev"] == "leased" and e.get("attempt", 0) > 0)
     out = []
     for t_kill, _ in kills:
@@ -184,10 +186,10 @@ def run_case(seconds: float, *, chaos: bool, kill_every: float, bad_frames: int)
         )
         report = json.loads(audit.stdout) if audit.stdout.strip().startswith("{") else {}
         spm, steps = _steps_per_minute(run)
-        unexpected_deaths = sum(1 for line in output.splitlines() if "failed with" in line or "died with" in line) - len(kills)
-        decode_errors = sum(
-            1 for line in output.splitlines() if "dropped a malformed message" in line
-        )
+        unexpected_deaths = sum(
+            1 for line in output.splitlines() if "failed with" in line or "died with" in line
+        ) - len(kills)
+        decode_errors = sum(1 for line in output.splitlines() if "dropped a malformed message" in line)
         latencies = _reissue_latencies(run, kills) if chaos else []
         return {
             "case": "chaos" if chaos else "fault-free",

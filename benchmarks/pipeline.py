@@ -274,7 +274,7 @@ def run_baseline(
             rollouts += len(responses)
             done += 1
             if log is not None and (done % 50 == 0 or done == steps):
-                log(f"   baseline step {done}: reward {np.mean(rewards_seen[-GROUPS_PER_STEP * GROUP_SIZE:]):.3f}")
+                log(f"   baseline step {done}: reward {np.mean(rewards_seen[-GROUPS_PER_STEP * GROUP_SIZE :]):.3f}")
         train_wall_s = time.perf_counter() - phase_start
         final_accuracy = evaluate()
     finally:
@@ -589,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help=f"learner steps per case (default {DEFAULT_STEPS})")
     parser.add_argument(
-        "--seconds", type=float, default=0.0,
+        "--seconds",
+        type=float,
+        default=0.0,
         help="also stop each case after this many seconds of training (unlimited steps unless --steps)",
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps per case")
@@ -638,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         if case == "baseline":
             try:
                 result = run_baseline(steps, max_wall_s=args.seconds, log=log)
-            except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not crash
+            except Exception as exc:
                 result = CaseResult(case="baseline", description=BASELINE_DESCRIPTION, ok=False, error=repr(exc))
                 log(f"!! baseline failed: {exc!r}")
         else:

@@ -45,7 +45,7 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import zmq
@@ -66,7 +66,7 @@ class RecordBatch(Message):
     records: list[MetricsRecord]
 
 
-BenchMessage = Union[MetricsRecord, RecordBatch, WeightChunk]
+BenchMessage = MetricsRecord | RecordBatch | WeightChunk
 
 RECORD = MetricsRecord(
     source="sampler-07",
@@ -411,9 +411,7 @@ class ProcessPair:
         self.conns, self.procs = [], []
         for name in ("bench-consumer", "bench-producer"):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main, args=(child, self.barrier, self.queue), name=name, daemon=True
-            )
+            proc = ctx.Process(target=worker_main, args=(child, self.barrier, self.queue), name=name, daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -48,7 +48,7 @@ def digit_credit(prompt: Prompt, completion: str) -> float:
     answer = prompt.answer
     if completion == answer:
         return 1.0
-    hits = sum(a == b for a, b in zip(completion, answer))
+    hits = sum(a == b for a, b in zip(completion, answer, strict=False))
     return 0.5 * hits / max(len(answer), len(completion), 1)
 
 

@@ -28,9 +28,19 @@ def _random_llama(directory: Path) -> str:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     fast.save_pretrained(directory)
     return str(directory)
@@ -51,8 +61,10 @@ def main() -> int:
         print("gpu_check: torch is not installed", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); run this on a GPU machine",
-              file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device visible (torch.cuda.is_available() is False); run this on a GPU machine",
+            file=sys.stderr,
+        )
         return 2
     try:
         import transformers  # noqa: F401
@@ -114,8 +126,11 @@ def main() -> int:
             opt.step()
             torch.cuda.synchronize()
             step_s.append(time.perf_counter() - t)
-        report.update(learner_rollouts=len(flat_r), learner_step_s=[round(s, 3) for s in step_s],
-                      learner_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        report.update(
+            learner_rollouts=len(flat_r),
+            learner_step_s=[round(s, 3) for s in step_s],
+            learner_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        )
 
         # publication and install
         t = time.perf_counter()
@@ -125,8 +140,12 @@ def main() -> int:
         t = time.perf_counter()
         engine.install_weights(tensors, 1)
         torch.cuda.synchronize()
-        report.update(snapshot_mb=round(flat.nbytes / 2**20, 1), publish_s=round(publish_s, 3),
-                      install_s=round(time.perf_counter() - t, 3), engine_version=engine.version)
+        report.update(
+            snapshot_mb=round(flat.nbytes / 2**20, 1),
+            publish_s=round(publish_s, 3),
+            install_s=round(time.perf_counter() - t, 3),
+            engine_version=engine.version,
+        )
     report["total_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, indent=2))
     return 0

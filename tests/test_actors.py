@@ -22,8 +22,8 @@ from echo2.messages import (
     BatchRequest,
     ExpireLease,
     Hello,
-    LeaseClosed,
     LearnerProgress,
+    LeaseClosed,
     RolloutGroup,
     ScoredGroup,
     TaskLease,
@@ -48,9 +48,7 @@ def _addresses(actor: Actor, prefix: str) -> dict[str, PortAddresses]:
 @contextlib.asynccontextmanager
 async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
     prefix = f"t-{actor.name}-{id(actor):x}"
-    runtime = ProcessRuntime(
-        [actor], {actor.name: _addresses(actor, prefix)}, transport=transport, drain_timeout_s=2.0
-    )
+    runtime = ProcessRuntime([actor], {actor.name: _addresses(actor, prefix)}, transport=transport, drain_timeout_s=2.0)
     async with asyncio.TaskGroup() as group:
         group.create_task(runtime.run())
         await runtime.wait_ready()

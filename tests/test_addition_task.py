@@ -76,8 +76,9 @@ def test_load_builtin_task() -> None:
 def user_module(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
     """An importable module with a task factory and a reward, as a user would write them."""
     name = "echo2_user_task_for_tests"
-    (tmp_path / f"{name}.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            """
         from echo2.tasks import AdditionTask
 
         def make_task(digits=3):
@@ -91,7 +92,8 @@ def user_module(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
         def not_a_task():
             return object()
         """
-    ))
+        )
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield name
     sys.modules.pop(name, None)

@@ -41,9 +41,7 @@ async def _next_event(monitor: zmq.asyncio.Socket, mask: int) -> dict:
 async def test_curve_admits_allowed_keys_and_rejects_the_rest(transport: Transport, keys: Path) -> None:
     server_keys = load_keypair(keys / "server.key_secret")
     transport.enable_curve(load_public_keys([keys / "allowed"]))
-    server = transport.router(
-        name="server", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys)
-    )
+    server = transport.router(name="server", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys))
     url = server.endpoints[0]
     monitor = server._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
     clients = []
@@ -56,7 +54,9 @@ async def test_curve_admits_allowed_keys_and_rejects_the_rest(transport: Transpo
         )  # fmt: skip
         clients.append(good)
         await good.send(Hello(peer_id="w", role="sampler"))
-        assert (await _next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED))["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert (await _next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED))[
+            "event"
+        ] == zmq.EVENT_HANDSHAKE_SUCCEEDED
         peer, hello = await server.recv()
         assert isinstance(hello, Hello)
         assert server.user_id(peer) == worker.public.decode()
@@ -72,7 +72,7 @@ async def test_curve_admits_allowed_keys_and_rejects_the_rest(transport: Transpo
             name="wrong-server", connect=[url], curve=CurveClient(worker, {url: impostor_keys.public})
         )
         clients += [stranger, plaintext, wrong_server]
-        for bad in (stranger, plaintext, wrong_server):
+        for _bad in (stranger, plaintext, wrong_server):
             event = await _next_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
             assert event["event"] & FAILED, event
         assert transport._authenticator is not None and transport._authenticator.refused >= 1

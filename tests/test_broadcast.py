@@ -31,9 +31,7 @@ def snapshot(nbytes: int = 10_000, version: int = 1) -> Snapshot:
             "b": np.arange(7, dtype=np.int64),
         }
     )
-    return Snapshot(
-        incarnation=2, version=version, tensors=specs, data=flat, created_at_s=0.0
-    )
+    return Snapshot(incarnation=2, version=version, tensors=specs, data=flat, created_at_s=0.0)
 
 
 @pytest.mark.parametrize("algorithm", ["sha256", "blake2b-256"])
@@ -61,13 +59,9 @@ def test_corrupt_and_misfit_chunks_are_counted_not_stored() -> None:
     bad = np.array(good.data)
     bad[10] ^= 1
     assert not assembler.add(msgspec.structs.replace(good, data=bad))
-    assert not assembler.add(
-        msgspec.structs.replace(good, data=np.array(good.data[:-1]))
-    )
+    assert not assembler.add(msgspec.structs.replace(good, data=np.array(good.data[:-1])))
     assert assembler.corrupt_chunks == 2
-    assert not assembler.add(
-        msgspec.structs.replace(good, version=99)
-    )  # another version: ignored
+    assert not assembler.add(msgspec.structs.replace(good, version=99))  # another version: ignored
     assert assembler.missing()[0] == 0
     assert assembler.add(good)
     with pytest.raises(RuntimeError):
@@ -138,20 +132,12 @@ def test_bcast_threshold_is_a_fraction_one_over_gamma() -> None:
 
 
 def test_relay_addresses_follow_the_control_medium() -> None:
-    assert relay_bind_url("inproc://x/weights", "s0").startswith(
-        "inproc://echo2-relay/s0-"
-    )
+    assert relay_bind_url("inproc://x/weights", "s0").startswith("inproc://echo2-relay/s0-")
     ipc = relay_bind_url("ipc:///tmp/echo2-r/weights", "s0")
     assert ipc.startswith("ipc:///tmp/echo2-r/relay-") and len(ipc) < 100
     assert relay_bind_url("tcp://10.1.2.3:47000", "s0") == "tcp://*:0"
-    assert (
-        announce_url("tcp://0.0.0.0:5555", "tcp://127.0.0.1:47000")
-        == "tcp://127.0.0.1:5555"
-    )
-    assert (
-        announce_url("tcp://0.0.0.0:5555", "tcp://10.0.0.1:1", relay_host="h7")
-        == "tcp://h7:5555"
-    )
+    assert announce_url("tcp://0.0.0.0:5555", "tcp://127.0.0.1:47000") == "tcp://127.0.0.1:5555"
+    assert announce_url("tcp://0.0.0.0:5555", "tcp://10.0.0.1:1", relay_host="h7") == "tcp://h7:5555"
 
 
 def test_manifest_round_trips_through_the_codec() -> None:
@@ -161,9 +147,7 @@ def test_manifest_round_trips_through_the_codec() -> None:
     codec = Codec()
     assert codec.decode(codec.encode(manifest)) == manifest
     chunk = next(iter_chunks(snapshot(), manifest))
-    decoded = codec.decode(
-        [bytes(memoryview(f).cast("B")) for f in codec.encode(chunk)]
-    )
+    decoded = codec.decode([bytes(memoryview(f).cast("B")) for f in codec.encode(chunk)])
     assert isinstance(decoded, WeightChunk) and bytes(decoded.data) == bytes(chunk.data)
     assert isinstance(manifest, WeightManifest)
 

@@ -150,9 +150,9 @@ def test_worker_rho_and_validation() -> None:
         Worker("w", mu=-1.0, price_per_hour=0.5)
 
 
-pools = st.lists(
-    st.tuples(st.floats(0.05, 5.0), st.floats(0.05, 3.0), st.booleans()), min_size=1, max_size=8
-).map(lambda rows: [Worker(f"w{i}", mu, price, avail) for i, (mu, price, avail) in enumerate(rows)])
+pools = st.lists(st.tuples(st.floats(0.05, 5.0), st.floats(0.05, 3.0), st.booleans()), min_size=1, max_size=8).map(
+    lambda rows: [Worker(f"w{i}", mu, price, avail) for i, (mu, price, avail) in enumerate(rows)]
+)
 
 
 def _optimal_cost(workers: list[Worker], target_mu: float) -> float:

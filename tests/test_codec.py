@@ -128,14 +128,10 @@ def struct_of(info: mi.StructType, big_arrays: bool | None) -> st.SearchStrategy
     return st.fixed_dictionaries(required, optional=optional).map(lambda kw: info.cls(**kw))
 
 
-def messages(
-    cls: type[Message] | None = None, big_arrays: bool | None = None
-) -> st.SearchStrategy[Message]:
+def messages(cls: type[Message] | None = None, big_arrays: bool | None = None) -> st.SearchStrategy[Message]:
     if cls is not None:
         return struct_of(TYPE_INFO[cls], big_arrays)
-    return st.sampled_from(MESSAGE_TYPES).flatmap(
-        lambda c: struct_of(TYPE_INFO[c], big_arrays)
-    )
+    return st.sampled_from(MESSAGE_TYPES).flatmap(lambda c: struct_of(TYPE_INFO[c], big_arrays))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -187,9 +183,7 @@ def decodes_or_rejects(codec: Codec, frames: list[Any]) -> None:
 
 def raw_tree(header: bytes) -> Any:
     """A valid header as plain msgpack values, ext values kept as ``Ext`` for editing."""
-    return msgspec.msgpack.decode(
-        header[2:], ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data))
-    )
+    return msgspec.msgpack.decode(header[2:], ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data)))
 
 
 def header_of(tree: Any) -> bytes:
@@ -229,11 +223,7 @@ def random_value(info: mi.Type, rng: random.Random, big: bool) -> Any:
             return np.frombuffer(raw, dtype).reshape(shape)
         case mi.StructType():
             return info.cls(
-                **{
-                    f.name: random_value(f.type, rng, big)
-                    for f in info.fields
-                    if f.required or rng.random() < 0.5
-                }
+                **{f.name: random_value(f.type, rng, big) for f in info.fields if f.required or rng.random() < 0.5}
             )
         case mi.BoolType():
             return rng.random() < 0.5
@@ -266,9 +256,7 @@ def random_value(info: mi.Type, rng: random.Random, big: bool) -> Any:
 
 def build_corpus(per_type: int, big: bool) -> list[Message]:
     rng = random.Random(0xE2)
-    return [
-        random_value(info, rng, big) for info in TYPE_INFO.values() for _ in range(per_type)
-    ]
+    return [random_value(info, rng, big) for info in TYPE_INFO.values() for _ in range(per_type)]
 
 
 CORPUS = build_corpus(per_type=6, big=False)
@@ -402,9 +390,7 @@ def message_shaped_trees(draw: st.DrawFn) -> dict[str, Any]:
 
 @given(tree=message_shaped_trees(), extra=st.lists(st.binary(max_size=32), max_size=2))
 @FUZZ
-def test_message_shaped_msgpack_with_random_values_is_rejected(
-    tree: dict[str, Any], extra: list[bytes]
-) -> None:
+def test_message_shaped_msgpack_with_random_values_is_rejected(tree: dict[str, Any], extra: list[bytes]) -> None:
     decodes_or_rejects(Codec(), [header_of(tree), *extra])
 
 
@@ -568,17 +554,15 @@ def test_bad_array_values_are_rejected(
         Codec().decode([header_of(tree), *frames])
 
 
-MULTI_ARRAY = [
-    (cls, fields)
-    for cls in MESSAGE_TYPES
-    if len(fields := [f for c, f in ARRAY_FIELDS if c is cls]) >= 2
-]
+MULTI_ARRAY = [(cls, fields) for cls in MESSAGE_TYPES if len(fields := [f for c, f in ARRAY_FIELDS if c is cls]) >= 2]
 
 
 @pytest.mark.skipif(not MULTI_ARRAY, reason="no message has two array fields")
-@given(target=st.sampled_from(MULTI_ARRAY).flatmap(
-    lambda cf: st.tuples(st.sampled_from([m for m in CORPUS if type(m) is cf[0]]), st.just(cf[1]))
-))
+@given(
+    target=st.sampled_from(MULTI_ARRAY).flatmap(
+        lambda cf: st.tuples(st.sampled_from([m for m in CORPUS if type(m) is cf[0]]), st.just(cf[1]))
+    )
+)
 @settings(ROUND_TRIP, max_examples=20)
 def test_one_frame_referenced_twice_is_rejected(target: tuple[Message, list[str]]) -> None:
     message, fields = target
@@ -671,9 +655,11 @@ def _type_text(info: mi.Type) -> str:
         case mi.CustomType(cls=cls) if cls is np.ndarray:
             return "ndarray"
         case mi.StructType(array_like=True):
-            return f"{info.cls.__name__} (as array: " + ", ".join(
-                f"{f.encode_name}: {_type_text(f.type)}" for f in info.fields
-            ) + ")"
+            return (
+                f"{info.cls.__name__} (as array: "
+                + ", ".join(f"{f.encode_name}: {_type_text(f.type)}" for f in info.fields)
+                + ")"
+            )
         case mi.StructType():
             return f"`{info.cls.__name__}` map"
         case mi.ListType() | mi.VarTupleType():
@@ -691,8 +677,7 @@ def test_protocol_doc_field_table_matches_the_code() -> None:
     assert found, "docs/protocol.md lost its <!-- fields:begin/end --> markers"
     expected = field_table()
     assert found.group(1).strip() == expected, (
-        "docs/protocol.md is out of date with echo2.messages; replace the table with:\n"
-        + expected
+        "docs/protocol.md is out of date with echo2.messages; replace the table with:\n" + expected
     )
 
 
@@ -702,4 +687,3 @@ def test_protocol_doc_constants_match_the_code() -> None:
     for dtype in ALLOWED_DTYPES:
         assert f"`{dtype}`" in doc, dtype
     assert f"{DEFAULT_INLINE_LIMIT} bytes" in doc
-

@@ -96,9 +96,7 @@ def test_logprobs_match_learner_recomputation(shipped: TorchEngine, ragged: bool
     out = shipped.generate(prompts, 4, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
     flat = [(np.asarray(p), c) for p, row in zip(prompts, out, strict=True) for c in row]
     with torch.no_grad():
-        logp, mask = sequence_logprobs(
-            shipped.model, [p for p, _ in flat], [c.token_ids for _, c in flat], TOK.pad_id
-        )
+        logp, mask = sequence_logprobs(shipped.model, [p for p, _ in flat], [c.token_ids for _, c in flat], TOK.pad_id)
     for b, (_, c) in enumerate(flat):
         T = len(c.token_ids)
         assert mask[b].sum() == T
@@ -190,8 +188,13 @@ def test_install_rejects_bad_layout_and_changes_nothing(engine: TorchEngine) -> 
     extra = dict(good, **{"head.weight": np.zeros((15, 128), np.float32)})
     # A corrupt tensor early in the dict must not be installed when a later one is bad.
     poisoned_first = {"tok_emb.weight": np.zeros((15, 128), np.float32), **wrong_shape}
-    for bad, match in [(wrong_shape, "blocks.3.mlp.2.weight"), (wrong_dtype, "float64"),
-                       (missing, "pos_emb.weight"), (extra, "head.weight"), (poisoned_first, "blocks.3")]:
+    for bad, match in [
+        (wrong_shape, "blocks.3.mlp.2.weight"),
+        (wrong_dtype, "float64"),
+        (missing, "pos_emb.weight"),
+        (extra, "head.weight"),
+        (poisoned_first, "blocks.3"),
+    ]:
         with pytest.raises(ValueError, match=match):
             engine.install_weights(bad, version=7)
         assert engine.version == 0

@@ -64,7 +64,9 @@ def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path
         run = _wait_for(lambda: next((p for p in tmp_path.iterdir() if p.is_dir()), None), 30, "the run dir")
         killed = []
         for target_step in (10, 30):
-            _wait_for(lambda: _learner_steps(run) >= target_step, 90, f"learner step {target_step}")
+            _wait_for(
+                lambda target_step=target_step: _learner_steps(run) >= target_step, 90, f"learner step {target_step}"
+            )
             pid = _sampler_pid(run, "sampler-0")
             assert pid is not None
             os.kill(pid, signal.SIGKILL)

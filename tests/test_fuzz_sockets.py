@@ -16,6 +16,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.test_actors import _group, running
 
 from echo2.actor import JobConfig
 from echo2.actors.buffer import Buffer
@@ -31,7 +32,6 @@ from echo2.messages import (
     WorkRequest,
 )
 from echo2.transport import Codec, Transport
-from tests.test_actors import _group, running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,7 +46,12 @@ def _mutations() -> st.SearchStrategy[list[bytes]]:
             lambda iv: _VALID[: iv[0]] + bytes([iv[1]]) + _VALID[iv[0] + 1 :]
         ),  # one byte flipped
         st.integers(0, 127).map(
-            lambda code: b"\xe2\x01" + msgspec.msgpack.encode({"type": "WorkRequest", "sampler_id": msgspec.msgpack.Ext(code, b"x"), "credits": 1})
+            lambda code: (
+                b"\xe2\x01"
+                + msgspec.msgpack.encode(
+                    {"type": "WorkRequest", "sampler_id": msgspec.msgpack.Ext(code, b"x"), "credits": 1}
+                )
+            )
         ),  # unknown ext
         st.just(b"\xe2\x01" + msgspec.msgpack.encode({"type": "WorkRequest", "sampler_id": 7, "credits": "x"})),
     )

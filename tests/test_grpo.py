@@ -173,8 +173,9 @@ def test_kl_k3_hand_value() -> None:
     logp = t([[LOG(0.5)]], grad=True)
     ref = t([[LOG(0.25)]])
     k3 = 0.5 + LOG(2.0) - 1.0
-    loss, stats = grpo_loss(logp, None, logp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 1),
-                            kl_beta=0.1, logp_ref=ref)
+    loss, stats = grpo_loss(
+        logp, None, logp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), kl_beta=0.1, logp_ref=ref
+    )
     assert stats.kl == pytest.approx(k3)
     assert loss.item() == pytest.approx(0.1 * k3)  # A = 0: only the KL term
     loss.backward()

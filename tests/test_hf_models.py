@@ -30,9 +30,17 @@ def make_tiny_llama(directory: Path, *, seed: int = 0, chat: bool = False) -> Pa
         fast.chat_template = "{% for m in messages %}<s>{{ m['content'] }}={% endfor %}"
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(directory)
@@ -152,11 +160,20 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     offsets = np.cumsum([0] + [len(c.token_ids) for c in group]).astype(np.int32)
     scored = ScoredGroup(
         group=RolloutGroup(
-            lease_id=0, task_id="t0", attempt=0, sampler_id="s", incarnation=0, version=0,
-            prompt="12+34=", answer="64", prompt_token_ids=np.array(prompt, dtype=np.int32),
+            lease_id=0,
+            task_id="t0",
+            attempt=0,
+            sampler_id="s",
+            incarnation=0,
+            version=0,
+            prompt="12+34=",
+            answer="64",
+            prompt_token_ids=np.array(prompt, dtype=np.int32),
             token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
-            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32), offsets=offsets,
-            texts=[c.text for c in group], finish_reasons=[c.finish_reason for c in group],
+            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32),
+            offsets=offsets,
+            texts=[c.text for c in group],
+            finish_reasons=[c.finish_reason for c in group],
         ),
         rewards=np.array([1.0, 0.0, 1.0, 0.0], dtype=np.float32),
         keep=np.ones(4, dtype=bool),
@@ -165,7 +182,9 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     record = learner._train_step([scored])
     assert record["rollouts"] == 4 and np.isfinite(record["loss"])
     specs, flat = flatten_tensors(learner.policy.wire_tensors())
-    assert any(not np.array_equal(before[s.name], v) for s, v in zip(specs, unflatten(specs, flat).values()))
+    assert any(
+        not np.array_equal(before[s.name], v) for s, v in zip(specs, unflatten(specs, flat).values(), strict=True)
+    )
     sampler.install_weights(unflatten(specs, flat), 1)
     assert [c.token_ids.tolist() for c in sampler.greedy([prompt], 5)] == [
         c.token_ids.tolist() for c in learner._eval_engine.greedy([prompt], 5)
@@ -185,8 +204,13 @@ def test_close_stops_a_running_generate(llama_dir: Path) -> None:
         return len(polls) >= 3
 
     tokens, _, lengths, hit_eos = hf_decode_batch(
-        policy.core, [[1, 4, 5]], 4, SamplingParams(max_new_tokens=50, seed=0),
-        eos_ids=[10_000], pad_id=0, should_stop=should_stop,
+        policy.core,
+        [[1, 4, 5]],
+        4,
+        SamplingParams(max_new_tokens=50, seed=0),
+        eos_ids=[10_000],
+        pad_id=0,
+        should_stop=should_stop,
     )
     assert tokens.shape == (4, 3) and not hit_eos.any() and (lengths == 3).all()
     engine = make_engine("hf", policy=policy)

@@ -31,9 +31,7 @@ LAUNCH = [sys.executable, "-m", "echo2.launch"]
 
 
 def launch(*args: str | Path, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    return subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def start(*args: str | Path) -> subprocess.Popen[str]:
@@ -127,9 +125,7 @@ def test_failing_actor_fails_the_run(tmp_path: Path) -> None:
 def test_bad_field_exits_2_with_one_line(tmp_path: Path) -> None:
     result = launch(SMOKE, "--run-dir", tmp_path, "--set", "actors.sink.config.expected_producers=two")
     assert result.returncode == 2
-    assert result.stderr == (
-        f"{SMOKE}: actors.sink.config.expected_producers: Expected `int`, got `str`\n"
-    )
+    assert result.stderr == (f"{SMOKE}: actors.sink.config.expected_producers: Expected `int`, got `str`\n")
     assert result.stdout == ""
     assert list(tmp_path.iterdir()) == []
 
@@ -142,9 +138,7 @@ def test_bad_field_exits_2_with_one_line(tmp_path: Path) -> None:
         (["--set", "novalue"], "--set 'novalue': expected path=value"),
     ],
 )
-def test_bad_options_exit_2_in_process(
-    args: list[str], expected: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_options_exit_2_in_process(args: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(SMOKE), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"{SMOKE}: {expected}")

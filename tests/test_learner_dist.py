@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import sys
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ else:
     model = follower_loop().policy.model
 torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_two_gloo_ranks_stay_identical(tmp_path: Path) -> None:
@@ -62,9 +62,21 @@ def test_two_gloo_ranks_stay_identical(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     env = dict(os.environ, ECHO2_DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=240, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(tmp_path),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     import torch

@@ -109,7 +109,8 @@ def test_measured_figures_from_a_run_directory(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     (run / "metrics").mkdir(parents=True)
     (run / "metrics" / "learner.jsonl").write_text(
-        "\n".join(json.dumps({"kind": "step", "step": i, "wait_s": 0.0, "train_s": 2.0}) for i in range(5)) + "\nnot json\n"
+        "\n".join(json.dumps({"kind": "step", "step": i, "wait_s": 0.0, "train_s": 2.0}) for i in range(5))
+        + "\nnot json\n"
     )
     (run / "metrics" / "prompt_source.jsonl").write_text(
         json.dumps({"kind": "activation", "t_bcast_s": 1.0, "mu_by_sampler": {"real": 50.0, "cheap-0": 8.0}}) + "\n"

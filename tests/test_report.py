@@ -144,4 +144,6 @@ def test_main_prints_paths_and_rejects_a_missing_dir(  # one step: filterwarning
     (run_dir / "metrics" / "learner.jsonl").write_text(json.dumps(step_record(1)) + "\n")
     assert main([str(run_dir), "--window", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [str(run_dir / "report" / n) for n in ("reward.png", "staleness.png", "learner_idle.png", "report.md")]
+    assert out == [
+        str(run_dir / "report" / n) for n in ("reward.png", "staleness.png", "learner_idle.png", "report.md")
+    ]

@@ -21,9 +21,7 @@ from echo2.topology import DEFAULT_HOST, HostSpec, Placement, derive_addresses
 from echo2.transport import Transport
 
 
-def runtime_for(
-    actors: Sequence[Actor], transport: Transport, **kwargs: object
-) -> ProcessRuntime:
+def runtime_for(actors: Sequence[Actor], transport: Transport, **kwargs: object) -> ProcessRuntime:
     places = [Placement(a.name, "main", DEFAULT_HOST, a.ports) for a in actors]
     addresses = derive_addresses(places, {DEFAULT_HOST: HostSpec()}, "test")
     return ProcessRuntime(actors, addresses.ports, process="main", transport=transport, **kwargs)  # type: ignore[arg-type]
@@ -138,9 +136,7 @@ async def test_drain_deadline_cancels_an_actor_that_ignores_stopping(transport: 
 
 async def test_heartbeats_reach_a_telemetry_subscriber(transport: Transport) -> None:
     sub = transport.sub(name="test.telemetry", bind=["inproc://test-telemetry"], subscribe=[HEARTBEAT_TOPIC])
-    runtime = runtime_for(
-        [Idle("idle")], transport, heartbeat_s=0.02, telemetry_connect=["inproc://test-telemetry"]
-    )
+    runtime = runtime_for([Idle("idle")], transport, heartbeat_s=0.02, telemetry_connect=["inproc://test-telemetry"])
     try:
         async with asyncio.TaskGroup() as group:
             group.create_task(runtime.run())

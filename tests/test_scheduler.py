@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -154,7 +155,7 @@ def test_surplus_releases_one_expensive_sampler_per_window() -> None:
     releases = [d for d in decisions if d.parked]
     assert releases and all(len(d.parked) == 1 for d in releases)
     assert releases[0].parked[0].startswith("fast")  # highest rho among the active
-    gaps = [b.now_s - a.now_s for a, b in zip(releases, releases[1:])]
+    gaps = [b.now_s - a.now_s for a, b in itertools.pairwise(releases)]
     assert all(g >= 5.0 for g in gaps)
     assert decisions[-1].active_mu >= decisions[-1].target_mu
 
@@ -163,8 +164,9 @@ def test_t_bcast_from_publication_to_first_install_and_publisher_seam() -> None:
     sched = _sched()
     pool = Pool(sched, {"a": (4.0, 1.0), "b": (4.0, 1.0)})
     pool.beat(0.0)
-    sched.observe_heartbeat(0.5, {"learner.published_version": 4, "learner.published_at_s": 1000.0,
-                                  "learner.train_s_mean": 1.0})
+    sched.observe_heartbeat(
+        0.5, {"learner.published_version": 4, "learner.published_at_s": 1000.0, "learner.train_s_mean": 1.0}
+    )
     sched.observe_install("b", 4, 1000.9, install_s=0.1)
     sched.observe_install("a", 4, 1000.3, install_s=0.1)
     assert sched.t_first_install_s == pytest.approx(0.9)  # diagnostic: first report fixes it

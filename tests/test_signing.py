@@ -7,11 +7,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from tests.test_weights_relay import CHUNK, equal_to, harness, snapshot
 
 from echo2.keys import main as keys_main
 from echo2.transport.broadcast import ManifestRejected, make_manifest
 from echo2.transport.signing import ManifestSigner, ManifestVerifier
-from tests.test_weights_relay import CHUNK, equal_to, harness, snapshot
 
 
 @pytest.fixture

@@ -66,8 +66,17 @@ def test_smollm2_sample_score_step_publish_resample() -> None:
     for b, lp in enumerate(flat_lp):
         behaviour[b, : len(lp)] = torch.from_numpy(lp)
     assert float(((logp.detach() - behaviour).abs() * mask).max()) < 1e-3
-    loss, _ = grpo_loss(logp, behaviour, behaviour, torch.tensor(adv, dtype=torch.float32), mask,
-                        clip_eps=0.2, is_cap=2.0, kl_beta=0.0, logp_ref=None)
+    loss, _ = grpo_loss(
+        logp,
+        behaviour,
+        behaviour,
+        torch.tensor(adv, dtype=torch.float32),
+        mask,
+        clip_eps=0.2,
+        is_cap=2.0,
+        kl_beta=0.0,
+        logp_ref=None,
+    )
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -80,7 +89,8 @@ def test_smollm2_sample_score_step_publish_resample() -> None:
     # sample again: the sampler's log-probs are now the updated learner's
     again = sampler.generate(ids[:1], 2, params)[0]
     with torch.no_grad():
-        new_logp, _ = sequence_logprobs(model.eval(), [np.array(ids[0])] * 2, [c.token_ids for c in again],
-                                        pad_id=learner.tokenizer.pad_id)
+        new_logp, _ = sequence_logprobs(
+            model.eval(), [np.array(ids[0])] * 2, [c.token_ids for c in again], pad_id=learner.tokenizer.pad_id
+        )
     for b, c in enumerate(again):
         np.testing.assert_allclose(new_logp[b, : len(c.logprobs)].numpy(), c.logprobs, atol=1e-3)

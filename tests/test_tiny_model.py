@@ -135,9 +135,18 @@ def test_save_load_round_trip(model: TinyTransformer, tmp_path) -> None:
 def test_state_dict_keys_are_stable() -> None:
     keys = list(TinyTransformer(SMALL).state_dict())
     per_block = [
-        "ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
-        "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.0.weight", "mlp.0.bias",
-        "mlp.2.weight", "mlp.2.bias",
+        "ln1.weight",
+        "ln1.bias",
+        "attn.qkv.weight",
+        "attn.qkv.bias",
+        "attn.proj.weight",
+        "attn.proj.bias",
+        "ln2.weight",
+        "ln2.bias",
+        "mlp.0.weight",
+        "mlp.0.bias",
+        "mlp.2.weight",
+        "mlp.2.bias",
     ]
     expected = ["tok_emb.weight", "pos_emb.weight"]
     expected += [f"blocks.{i}.{k}" for i in range(SMALL.n_layers) for k in per_block]

@@ -235,7 +235,7 @@ def test_toml_syntax_error_is_one_line_with_line_and_column(tmp_path: Path) -> N
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="^cannot read: No such file or directory$"):
+    with pytest.raises(ConfigError, match=r"^cannot read: No such file or directory$"):
         load_topology(tmp_path / "nope.toml")
 
 
@@ -291,7 +291,10 @@ def test_overrides_apply_before_validation(tmp_path: Path) -> None:
     [
         ("actors.sink.config.nope=1", "actors.sink.config.nope: unknown field (allowed: expected_producers)"),
         ("job.nope=1", "job.nope: unknown field"),
-        ("actors.sink.config.expected_producers=many", "actors.sink.config.expected_producers: Expected `int`, got `str`"),
+        (
+            "actors.sink.config.expected_producers=many",
+            "actors.sink.config.expected_producers: Expected `int`, got `str`",
+        ),
         ("actors.new.replicas=2", "actors.new.kind: missing required field"),
         ("run.name.x=1", "--set 'run.name.x=1': run.name is not a table"),
     ],
@@ -310,18 +313,14 @@ HOSTS = {"a": HostSpec(address="10.0.0.1", port_base=5000), "b": HostSpec(addres
 
 
 def test_same_process_is_inproc() -> None:
-    derived = derive_addresses(
-        [Placement("src", "p", "a", PUSH), Placement("sink", "p", "a", PULL)], HOSTS, "r1"
-    )
+    derived = derive_addresses([Placement("src", "p", "a", PUSH), Placement("sink", "p", "a", PULL)], HOSTS, "r1")
     assert derived.ports["sink"]["in"] == PortAddresses(bind=("inproc://echo2-r1/sink/in",))
     assert derived.ports["src"]["out"] == PortAddresses(connect=("inproc://echo2-r1/sink/in",))
     assert derived.tcp_ports == {}
 
 
 def test_same_host_other_process_is_ipc() -> None:
-    derived = derive_addresses(
-        [Placement("src", "p1", "a", PUSH), Placement("sink", "p2", "a", PULL)], HOSTS, "r1"
-    )
+    derived = derive_addresses([Placement("src", "p1", "a", PUSH), Placement("sink", "p2", "a", PULL)], HOSTS, "r1")
     url = "ipc:///tmp/echo2-r1/sink.in"
     assert derived.ports["sink"]["in"] == PortAddresses(bind=(url,))
     assert derived.ports["src"]["out"] == PortAddresses(connect=(url,))
@@ -402,7 +401,10 @@ def test_telemetry_reaches_every_process() -> None:
 
 def test_ipc_paths_stay_short() -> None:
     long = "x" * 60
-    places = [Placement(long, "p1", "a", {long: Port("pull", bind=True)}), Placement("c", "p2", "a", {long: Port("push", bind=False)})]
+    places = [
+        Placement(long, "p1", "a", {long: Port("pull", bind=True)}),
+        Placement("c", "p2", "a", {long: Port("push", bind=False)}),
+    ]
     derived = derive_addresses(places, HOSTS, "r" * 80)
     (url,) = derived.ports[long][long].bind
     assert url.startswith("ipc:///tmp/echo2-") and len(url) < 100
@@ -416,8 +418,7 @@ def idle_topology(weights: dict[str, float], cores: int, **process_threads: int)
         "hosts": {"h": {"cores": cores}},
         "processes": {name: {"host": "h", "torch_threads": process_threads.get(name, 0)} for name in weights},
         "actors": {
-            name: {"kind": "idle", "process": name, "config": {"torch_weight": w}}
-            for name, w in weights.items()
+            name: {"kind": "idle", "process": name, "config": {"torch_weight": w}} for name, w in weights.items()
         },
     }
 

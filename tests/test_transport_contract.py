@@ -62,7 +62,7 @@ async def assert_blocked(task: asyncio.Task) -> None:
 @contextlib.contextmanager
 def raw_socket(transport: Transport, kind: int, url: str, **options: object) -> Iterator[zmq.Socket]:
     """A plain sync pyzmq socket on the transport's own context (inproc requires it)."""
-    context = zmq.Context.shadow(transport._context.underlying)  # noqa: SLF001 (test access)
+    context = zmq.Context.shadow(transport._context.underlying)
     sock = context.socket(kind)
     try:
         sock.linger = 0
@@ -111,9 +111,7 @@ async def test_push_pull_preserves_order(transport: Transport, url_factory) -> N
             sender = tg.create_task(push.send_many(messages))
             got = await recv_n(pull, n)
         assert sender.result() == n
-    assert [getattr(m, "credits", None) for m in got] == [
-        getattr(m, "credits", None) for m in messages
-    ]
+    assert [getattr(m, "credits", None) for m in got] == [getattr(m, "credits", None) for m in messages]
     assert [m.index for m in got if isinstance(m, WeightChunk)] == list(range(0, n, 100))
     assert all(np.array_equal(m.data, big) for m in got if isinstance(m, WeightChunk))
 
@@ -122,9 +120,7 @@ async def test_dealer_router_preserves_order_both_ways(transport: Transport, url
     n = 500
     async with (
         transport.open("router", name="router", bind=[url_factory()]) as router,
-        transport.open(
-            "dealer", name="dealer", connect=[router.endpoints[0]], identity=b"dealer-1"
-        ) as dealer,
+        transport.open("dealer", name="dealer", connect=[router.endpoints[0]], identity=b"dealer-1") as dealer,
     ):
         async with asyncio.TaskGroup() as tg:
             tg.create_task(dealer.send_many(work(i) for i in range(n)))
@@ -139,18 +135,14 @@ async def test_dealer_router_preserves_order_both_ways(transport: Transport, url
         async with asyncio.TaskGroup() as tg:
             tg.create_task(reply())
             downstream = await recv_n(dealer, n)
-        assert [(m.sampler_id, m.credits) for m in downstream] == [
-            ("router", i) for i in range(n)
-        ]
+        assert [(m.sampler_id, m.credits) for m in downstream] == [("router", i) for i in range(n)]
 
 
 async def test_pub_sub_preserves_order_after_handshake(transport: Transport, url_factory) -> None:
     n = 500
     async with (
         transport.open("pub", name="pub", bind=[url_factory()]) as pub,
-        transport.open(
-            "sub", name="sub", connect=[pub.endpoints[0]], subscribe=[b"weights|"]
-        ) as sub,
+        transport.open("sub", name="sub", connect=[pub.endpoints[0]], subscribe=[b"weights|"]) as sub,
     ):
         assert await pub.wait_subscriber(b"weights|") == b"weights|"
         for i in range(n):
@@ -172,9 +164,7 @@ async def test_end_of_stream_after_every_producer(transport: Transport, url_fact
             transport.open("pull", name="pull", bind=[url_factory()], producers=producers)
         )
         pushers = [
-            await stack.enter_async_context(
-                transport.open("push", name=f"push-{p}", connect=[pull.endpoints[0]])
-            )
+            await stack.enter_async_context(transport.open("push", name=f"push-{p}", connect=[pull.endpoints[0]]))
             for p in range(producers)
         ]
 
@@ -202,9 +192,7 @@ async def test_end_of_stream_after_every_producer(transport: Transport, url_fact
         assert stats.received == producers * (k + 1)
 
 
-async def test_repeated_end_of_stream_from_one_producer_counts_once(
-    transport: Transport, url_factory
-) -> None:
+async def test_repeated_end_of_stream_from_one_producer_counts_once(transport: Transport, url_factory) -> None:
     async with (
         transport.open("pull", name="pull", bind=[url_factory()], producers=2) as pull,
         transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
@@ -222,9 +210,7 @@ async def test_repeated_end_of_stream_from_one_producer_counts_once(
 
 
 @pytest.mark.parametrize("method", ["recv", "recv_many"])
-async def test_cancelled_receive_loses_nothing(
-    transport: Transport, url_factory, method: str
-) -> None:
+async def test_cancelled_receive_loses_nothing(transport: Transport, url_factory, method: str) -> None:
     async with (
         transport.open("pull", name="pull", bind=[url_factory()]) as pull,
         transport.open("push", name="push", connect=[pull.endpoints[0]]) as push,
@@ -241,9 +227,7 @@ async def test_cancelled_receive_loses_nothing(
         assert pull.statistics().received == 2
 
 
-async def test_cancelling_a_consumer_mid_stream_loses_nothing(
-    transport: Transport, url_factory
-) -> None:
+async def test_cancelling_a_consumer_mid_stream_loses_nothing(transport: Transport, url_factory) -> None:
     """Consumers are cancelled repeatedly while a producer streams; a new one resumes."""
     n = 3000
     received: list[int] = []
@@ -308,9 +292,7 @@ async def test_push_blocks_at_hwm_until_the_receiver_reads(transport: Transport,
     m, data, options = 80, np.zeros(MiB, np.uint8), SocketOptions(hwm=2)
     async with (
         transport.open("pull", name="pull", bind=[url_factory()], options=options) as pull,
-        transport.open(
-            "push", name="push", connect=[pull.endpoints[0]], options=options, on_full="block"
-        ) as push,
+        transport.open("push", name="push", connect=[pull.endpoints[0]], options=options, on_full="block") as push,
     ):
         async with asyncio.TaskGroup() as tg:
             sender = tg.create_task(push.send_many(chunk(i, data) for i in range(m)))
@@ -323,9 +305,7 @@ async def test_push_blocks_at_hwm_until_the_receiver_reads(transport: Transport,
 
 
 @pytest.mark.parametrize("kind", ["pub", "router"])
-async def test_blocking_fan_out_waits_for_a_slow_peer(
-    transport: Transport, url_factory, kind: str
-) -> None:
+async def test_blocking_fan_out_waits_for_a_slow_peer(transport: Transport, url_factory, kind: str) -> None:
     """XPUB (XPUB_NODROP) and ROUTER (ROUTER_MANDATORY) wait too, instead of failing.
 
     A second, idle peer with room in its pipe makes the socket look writable while the slow
@@ -335,9 +315,7 @@ async def test_blocking_fan_out_waits_for_a_slow_peer(
     peer_kind = "sub" if kind == "pub" else "dealer"
     topics = {b"slow": [b"w|"], b"idle": [b"idle|"]} if kind == "pub" else {}
     async with contextlib.AsyncExitStack() as stack:
-        server = await stack.enter_async_context(
-            transport.open(kind, name=kind, bind=[url_factory()], options=options)
-        )
+        server = await stack.enter_async_context(transport.open(kind, name=kind, bind=[url_factory()], options=options))
         peers = [
             await stack.enter_async_context(
                 transport.open(
@@ -380,12 +358,8 @@ async def test_pub_drops_and_counts_at_hwm(transport: Transport, url_factory) ->
     attempted, options = 2000, SocketOptions(hwm=1)
     message = chunk(0, np.zeros(64 * 1024, np.uint8))
     async with (
-        transport.open(
-            "pub", name="pub", bind=[url_factory()], options=options, on_full="drop"
-        ) as pub,
-        transport.open(
-            "sub", name="sub", connect=[pub.endpoints[0]], options=options, subscribe=[b"t|"]
-        ) as sub,
+        transport.open("pub", name="pub", bind=[url_factory()], options=options, on_full="drop") as pub,
+        transport.open("sub", name="sub", connect=[pub.endpoints[0]], options=options, subscribe=[b"t|"]) as sub,
     ):
         await pub.wait_subscriber(b"t|")
         delivered = sum([await pub.publish(b"t|", message) for _ in range(attempted)])
@@ -407,9 +381,7 @@ async def test_router_send_to_unknown_peer_is_unroutable(transport: Transport, u
 # -------------------------------------------------------------------------- hostile input
 
 
-async def test_malformed_frames_into_pull_are_counted_and_dropped(
-    transport: Transport, url_factory
-) -> None:
+async def test_malformed_frames_into_pull_are_counted_and_dropped(transport: Transport, url_factory) -> None:
     bad = malformed_messages()
     async with transport.open("pull", name="pull", bind=[url_factory()]) as pull:
         with raw_socket(transport, zmq.PUSH, pull.endpoints[0]) as raw:
@@ -424,9 +396,7 @@ async def test_malformed_frames_into_pull_are_counted_and_dropped(
         assert stats.received == len(bad) + 2
 
 
-async def test_malformed_frames_into_router_are_counted_and_dropped(
-    transport: Transport, url_factory
-) -> None:
+async def test_malformed_frames_into_router_are_counted_and_dropped(transport: Transport, url_factory) -> None:
     bad = malformed_messages()
     async with transport.open("router", name="router", bind=[url_factory()]) as router:
         with raw_socket(transport, zmq.DEALER, router.endpoints[0], ROUTING_ID=b"raw") as raw:
@@ -439,13 +409,9 @@ async def test_malformed_frames_into_router_are_counted_and_dropped(
         assert router.statistics().decode_errors == len(bad)
 
 
-async def test_malformed_frames_into_sub_are_counted_and_dropped(
-    transport: Transport, url_factory
-) -> None:
+async def test_malformed_frames_into_sub_are_counted_and_dropped(transport: Transport, url_factory) -> None:
     bad = [[b"t|"]] + [[b"t|", *frames] for frames in malformed_messages()]
-    async with transport.open(
-        "sub", name="sub", bind=[url_factory()], subscribe=[b"t|"]
-    ) as sub:
+    async with transport.open("sub", name="sub", bind=[url_factory()], subscribe=[b"t|"]) as sub:
         # The SUB sends its subscription to a new peer only while its socket is serviced,
         # so the receive is pending before the raw publisher waits for the handshake.
         receiving = asyncio.ensure_future(sub.recv())
@@ -503,9 +469,7 @@ async def test_close_is_idempotent_and_later_use_raises(transport: Transport, ur
     assert pull.statistics().sent == 0  # statistics stay readable after close
 
 
-async def test_close_wakes_a_blocked_call_with_closed_error(
-    transport: Transport, url_factory
-) -> None:
+async def test_close_wakes_a_blocked_call_with_closed_error(transport: Transport, url_factory) -> None:
     pull = transport.open("pull", name="pull", bind=[url_factory()])
     # No peer: a PUSH send blocks at once (without bundling, which accepts one bundle first).
     push = transport.open("push", name="push", options=SocketOptions(coalesce=1))
@@ -565,9 +529,7 @@ async def test_statistics_count_messages_and_bytes(transport: Transport, url_fac
 # ------------------------------------------------------------------------------- bundles
 
 
-async def test_small_messages_sent_back_to_back_travel_in_bundles_in_order(
-    transport: Transport, url_factory
-) -> None:
+async def test_small_messages_sent_back_to_back_travel_in_bundles_in_order(transport: Transport, url_factory) -> None:
     url = url_factory()
     push = transport.open("push", name="push", bind=[url])
     with raw_socket(transport, zmq.PULL, push.endpoints[0]) as pull:
@@ -675,9 +637,7 @@ async def test_protocol_doc_example_is_a_valid_peer(transport: Transport) -> Non
     async with transport.open("router", name="tasks", bind=["tcp://127.0.0.1:0"]) as router:
         code = found.group(1).replace("tcp://127.0.0.1:5555", router.endpoints[0])
         assert router.endpoints[0] in code
-        client = asyncio.ensure_future(
-            asyncio.to_thread(exec, compile(code, "docs/protocol.md", "exec"), {})
-        )
+        client = asyncio.ensure_future(asyncio.to_thread(exec, compile(code, "docs/protocol.md", "exec"), {}))
         peer, hello = await router.recv()
         assert (peer, hello) == (b"sampler-ext", Hello(peer_id="sampler-ext", role="sampler"))
         assert await router.send(peer, Welcome(server_id="tasks", accepted=True))

@@ -30,9 +30,7 @@ from echo2.transport.weights import (
 CHUNK = 64 * 1024
 
 
-def snapshot(
-    version: int, nbytes: int = 40 * CHUNK + 123, incarnation: int = 1
-) -> Snapshot:
+def snapshot(version: int, nbytes: int = 40 * CHUNK + 123, incarnation: int = 1) -> Snapshot:
     rng = np.random.default_rng(version)
     specs, flat = flatten_tensors(
         {
@@ -77,16 +75,12 @@ class Harness:
         verify_manifest=None,  # type: ignore[no-untyped-def]
         shm: bool = True,
     ) -> WeightReceiver:
-        control = self.transport.dealer(
-            name=f"{name}.weights", connect=[self.url], identity=name.encode()
-        )
+        control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
         self.complete[name] = []
 
         def done(assembler: SnapshotAssembler) -> None:
             self.complete[name].append(assembler)
-            asyncio.get_running_loop().create_task(
-                receiver.report_installed(assembler.key, 0.0)
-            )
+            asyncio.get_running_loop().create_task(receiver.report_installed(assembler.key, 0.0))
 
         receiver = WeightReceiver(
             self.transport,
@@ -111,13 +105,9 @@ class Harness:
         self.tasks[name].cancel()
         self.receivers[name].close()
 
-    async def wait_complete(
-        self, names: list[str], version: int, timeout_s: float = 10.0
-    ) -> None:
+    async def wait_complete(self, names: list[str], version: int, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
-            while not all(
-                any(a.key[1] == version for a in self.complete[n]) for n in names
-            ):
+            while not all(any(a.key[1] == version for a in self.complete[n]) for n in names):
                 await asyncio.sleep(0.01)
 
 
@@ -203,9 +193,7 @@ async def test_every_mode_delivers_digest_equal_versions(mode: str, n: int, medi
         stats = {name: h.receivers[name].statistics() for name in names}
         if mode != "star":
             assert sum(s["chunks_forwarded"] for s in stats.values()) > 0
-            assert h.broadcaster.counters["chunks_sent"] == len(
-                make_manifest(snap, CHUNK).chunk_digests
-            )
+            assert h.broadcaster.counters["chunks_sent"] == len(make_manifest(snap, CHUNK).chunk_digests)
         assert all(s["repair_requests"] == 0 for s in stats.values()), stats
         if medium == "tcp":
             assert all(h.receivers[name].relay_address.startswith("chunkstream://") for name in names)

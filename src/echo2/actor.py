@@ -188,9 +188,7 @@ class ActorContext:
         except KeyError:
             raise ConfigError(f"actor {self.actor_name!r} has no port {port!r}") from None
         addresses = self._ports.get(port, PortAddresses())
-        options = overrides.pop(
-            "options", SocketOptions(hwm=spec.hwm, max_message_bytes=spec.max_message_bytes)
-        )
+        options = overrides.pop("options", SocketOptions(hwm=spec.hwm, max_message_bytes=spec.max_message_bytes))
         if self._curve is not None and "curve" not in overrides:
             overrides["curve"] = self._curve.for_port(addresses)
         endpoint = self.transport.open(

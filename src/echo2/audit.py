@@ -100,9 +100,7 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     # A resumed learner restarts from a checkpoint: what an older incarnation trained after
     # that point died with it (the Buffer requeues those groups), so it does not count.
     void_from = {
-        int(e["previous_incarnation"]): int(e["from_version"])
-        for e in read_events(run_dirs)
-        if e["ev"] == "resumed"
+        int(e["previous_incarnation"]): int(e["from_version"]) for e in read_events(run_dirs) if e["ev"] == "resumed"
     }
 
     for e in read_events(run_dirs):

@@ -81,9 +81,7 @@ def _parser() -> _Parser:
         metavar="PATH=VALUE",
         help="override a topology value before validation, e.g. job.staleness=0 (repeatable)",
     )
-    parser.add_argument(
-        "--run-dir", type=Path, help="parent directory of the run directory"
-    )
+    parser.add_argument("--run-dir", type=Path, help="parent directory of the run directory")
     parser.add_argument("--host", help="start only this host's processes")
     parser.add_argument(
         "--resume",
@@ -101,9 +99,7 @@ def _parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Launch a topology; returns the exit code (see the module docstring)."""
-    logging.basicConfig(
-        format="echo2: %(message)s", level=logging.WARNING
-    )  # no-op if configured
+    logging.basicConfig(format="echo2: %(message)s", level=logging.WARNING)  # no-op if configured
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -116,9 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         topology = load_topology(source, args.overrides)
         if args.run_dir is not None:
-            topology = dataclasses.replace(
-                topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir))
-            )
+            topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         names = select_processes(topology, args.host)
     except ConfigError as exc:
         print(f"{source}: {exc}", file=sys.stderr)
@@ -126,9 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.dry_run:
         run_id = _run_id(topology)
-        resolved = resolve(
-            topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id)
-        )
+        resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
         _print_banner(resolved, names, {}, sys.stdout)
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
@@ -146,16 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolved.resume = True
     resolved_path = run_dir / "topology.resolved.json"
     resolved.dump(resolved_path)
-    completes = {
-        name: any(a.cls.completes_run for a in topology.actors_in(name))
-        for name in names
-    }
+    completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
         return asyncio.run(launcher.run())
-    except (
-        KeyboardInterrupt
-    ):  # Ctrl-C before the handlers were installed: nothing started yet
+    except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
         return _EXIT_SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
@@ -163,9 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             write_report(run_dir)
         except Exception as exc:
-            logging.getLogger(__name__).warning(
-                "run report not written for %s: %s", run_dir, exc
-            )
+            logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:
@@ -178,20 +163,12 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
     elif len(topology.hosts) == 1:
         hosts = set(topology.hosts)
     else:
-        hosts = {
-            name
-            for name, spec in topology.hosts.items()
-            if is_local_address(spec.address)
-        }
+        hosts = {name for name, spec in topology.hosts.items() if is_local_address(spec.address)}
         if not hosts:
-            raise ConfigError(
-                "no host of the topology is this machine; choose one", path="--host"
-            )
+            raise ConfigError("no host of the topology is this machine; choose one", path="--host")
     names = [name for name, spec in topology.processes.items() if spec.host in hosts]
     if not names:
-        raise ConfigError(
-            f"no process is placed on host {', '.join(sorted(hosts))}", path="--host"
-        )
+        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
     return names
 
 
@@ -217,9 +194,7 @@ def _make_run_dir(topology: Topology) -> Path:
             continue
         (run_dir / "logs").mkdir()
         return run_dir
-    raise ConfigError(
-        f"cannot make a fresh run directory under {parent}", path="run.run_dir"
-    )
+    raise ConfigError(f"cannot make a fresh run directory under {parent}", path="run.run_dir")
 
 
 def _to_json(resolved: ResolvedTopology) -> str:
@@ -228,9 +203,7 @@ def _to_json(resolved: ResolvedTopology) -> str:
     return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
 
 
-def _print_banner(
-    resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], out: TextIO
-) -> None:
+def _print_banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], out: TextIO) -> None:
     print(f"echo2: run {resolved.run_id} in {resolved.run_dir}", file=out)
     width = max(len(n) for n in names)
     for name in names:
@@ -320,15 +293,11 @@ class Launcher:
                         ("deadline", None),
                     )
                     self._timers.append(deadline)
-                while any(
-                    child.alive or child.restart_pending for child in self.children
-                ):
+                while any(child.alive or child.restart_pending for child in self.children):
                     kind, payload = await self._events.get()
                     self._handle(kind, payload)
                 # Output ends when the pipes close; a grandchild holding one must not hang us.
-                _, pending = (
-                    await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
-                )
+                _, pending = await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
                 for task in pending:
                     task.cancel()
         finally:
@@ -337,9 +306,7 @@ class Launcher:
             for sig in handled:
                 loop.remove_signal_handler(sig)
             for child in self.children:
-                if (
-                    child.alive
-                ):  # only reached if we were cancelled: never leave children behind
+                if child.alive:  # only reached if we were cancelled: never leave children behind
                     _signal(child, signal.SIGKILL)
             for child in self.children:
                 child.log.close()
@@ -373,18 +340,13 @@ class Launcher:
                 break
             pids[name] = child.proc.pid
         self._write_pids()
-        _print_banner(
-            self.resolved, [c.name for c in self.children if c.proc], pids, self.out
-        )
+        _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
         self.say(
-            f"started {len(pids)} process(es); logs in {self.run_dir / 'logs'}; "
-            "Ctrl-C stops, a second Ctrl-C kills"
+            f"started {len(pids)} process(es); logs in {self.run_dir / 'logs'}; Ctrl-C stops, a second Ctrl-C kills"
         )
         return pumps
 
-    async def _spawn(
-        self, child: Child, group: asyncio.TaskGroup, pumps: list[asyncio.Task[None]]
-    ) -> bool:
+    async def _spawn(self, child: Child, group: asyncio.TaskGroup, pumps: list[asyncio.Task[None]]) -> bool:
         """Start (or restart) one child; False if the OS refused."""
         self._group, self._pumps = group, pumps
         name = child.name
@@ -500,17 +462,13 @@ class Launcher:
                     self.status, self.reason = code, f"{self.reason}; forced by {name}"
                 self._kill_all(f"second signal ({name})")
         elif kind == "deadline":
-            self._begin_shutdown(
-                f"deadline of {self.resolved.run.deadline_s:g} s reached", 0
-            )
+            self._begin_shutdown(f"deadline of {self.resolved.run.deadline_s:g} s reached", 0)
         elif kind == "restart":
             child = payload
             if self.shutting_down:
                 child.restart_pending = False
             else:
-                self._group.create_task(
-                    self._respawn(child), name=f"restart:{child.name}"
-                )
+                self._group.create_task(self._respawn(child), name=f"restart:{child.name}")
         elif kind == "kill":
             grace = self.resolved.run.drain_timeout_s + KILL_GRACE_S
             self._kill_all(f"still running {grace:g} s after SIGTERM")
@@ -520,9 +478,7 @@ class Launcher:
             if await self._spawn(child, self._group, self._pumps):
                 self._write_pids()
                 assert child.proc is not None
-                self.say(
-                    f"restarted {child.describe()} as pid {child.proc.pid} (restart {child.restarts})"
-                )
+                self.say(f"restarted {child.describe()} as pid {child.proc.pid} (restart {child.restarts})")
         finally:
             child.restart_pending = False
 
@@ -539,16 +495,12 @@ class Launcher:
             error=True,
         )
         loop = asyncio.get_running_loop()
-        self._timers.append(
-            loop.call_later(delay, self._events.put_nowait, ("restart", child))
-        )
+        self._timers.append(loop.call_later(delay, self._events.put_nowait, ("restart", child)))
         return True
 
     def _on_exit(self, child: Child, code: int) -> None:
         if code != 0:
-            what = f"exit code {code}" + (
-                f" ({signal.Signals(-code).name})" if code < 0 else ""
-            )
+            what = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
             if self.shutting_down:
                 self.say(f"{child.describe()} exited with {what} during shutdown")
             elif self._maybe_restart(child, what):
@@ -571,16 +523,12 @@ class Launcher:
         self.status, self.reason = status, reason
         live = [c for c in self.children if c.alive]
         if live:
-            self.say(
-                f"stopping ({reason}): SIGTERM to {', '.join(c.name for c in live)}"
-            )
+            self.say(f"stopping ({reason}): SIGTERM to {', '.join(c.name for c in live)}")
         for child in live:
             _signal(child, signal.SIGTERM)
         loop = asyncio.get_running_loop()
         delay = self.resolved.run.drain_timeout_s + KILL_GRACE_S
-        self._timers.append(
-            loop.call_later(delay, self._events.put_nowait, ("kill", None))
-        )
+        self._timers.append(loop.call_later(delay, self._events.put_nowait, ("kill", None)))
 
     def _kill_all(self, why: str) -> None:
         live = [c for c in self.children if c.alive]
@@ -593,25 +541,12 @@ class Launcher:
         codes = {c.name: c.returncode for c in self.children}
         status = {"exit_code": self.status, "reason": self.reason, "processes": codes}
         with contextlib.suppress(OSError):
-            (self.run_dir / "status.json").write_text(
-                json.dumps(status, indent=2) + "\n"
-            )
+            (self.run_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
         ipc_dir = self.resolved.ipc_dir
-        if ipc_dir.startswith("/tmp/echo2-") and not any(
-            c.alive for c in self.children
-        ):
+        if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
             shutil.rmtree(ipc_dir, ignore_errors=True)
-        outcome = (
-            "ok"
-            if self.status == 0
-            else "FAILED"
-            if self.status == _EXIT_FAILED
-            else "interrupted"
-        )
-        self.say(
-            f"run {self.resolved.run_id} {outcome}: {self.reason} (exit {self.status}); "
-            f"run dir {self.run_dir}"
-        )
+        outcome = "ok" if self.status == 0 else "FAILED" if self.status == _EXIT_FAILED else "interrupted"
+        self.say(f"run {self.resolved.run_id} {outcome}: {self.reason} (exit {self.status}); run dir {self.run_dir}")
 
 
 def _signal(child: Child, sig: int) -> None:

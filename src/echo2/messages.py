@@ -13,8 +13,6 @@ resumes, so versions published before a crash never collide with later ones) and
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 import numpy as np
 
@@ -82,7 +80,7 @@ class MetricsRecord(Message):
     source: str
     kind: str
     time_s: float
-    values: dict[str, Union[float, int, str, bool, None]] = {}
+    values: dict[str, float | int | str | bool | None] = {}
 
 
 # -- work: PromptSource <-> Sampler --------------------------------------------------
@@ -360,32 +358,32 @@ class ChunkRequest(Message):
     indices: list[int]
 
 
-AnyMessage = Union[
-    Hello,
-    Welcome,
-    EndOfStreamMsg,
-    Heartbeat,
-    MetricsRecord,
-    WorkRequest,
-    TaskLease,
-    LeaseRevoked,
-    ExpireLease,
-    LearnerProgress,
-    RolloutGroup,
-    ScoredGroup,
-    LeaseClosed,
-    BatchRequest,
-    Batch,
-    TrainedReport,
-    LearnerCheckpointed,
-    Snapshot,
-    WeightManifest,
-    WeightChunk,
-    WeightsInstalled,
-    WeightSubscribe,
-    RelayPlan,
-    ChunkRequest,
-    WeightShm,
-]
+AnyMessage = (
+    Hello
+    | Welcome
+    | EndOfStreamMsg
+    | Heartbeat
+    | MetricsRecord
+    | WorkRequest
+    | TaskLease
+    | LeaseRevoked
+    | ExpireLease
+    | LearnerProgress
+    | RolloutGroup
+    | ScoredGroup
+    | LeaseClosed
+    | BatchRequest
+    | Batch
+    | TrainedReport
+    | LearnerCheckpointed
+    | Snapshot
+    | WeightManifest
+    | WeightChunk
+    | WeightsInstalled
+    | WeightSubscribe
+    | RelayPlan
+    | ChunkRequest
+    | WeightShm
+)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]

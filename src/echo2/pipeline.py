@@ -54,14 +54,9 @@ class Pipeline:
         self.actors = list(actors)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.drain_timeout_s = drain_timeout_s
-        places = [
-            Placement(actor=a.name, process=_PROCESS, host=DEFAULT_HOST, ports=a.ports)
-            for a in self.actors
-        ]
+        places = [Placement(actor=a.name, process=_PROCESS, host=DEFAULT_HOST, ports=a.ports) for a in self.actors]
         # Pure and validating: a connector without a binder fails here, before any I/O.
-        self._addresses = derive_addresses(
-            places, {DEFAULT_HOST: HostSpec()}, run_id=f"pipeline-{id(self):x}"
-        )
+        self._addresses = derive_addresses(places, {DEFAULT_HOST: HostSpec()}, run_id=f"pipeline-{id(self):x}")
         self._runtime: ProcessRuntime | None = None
         self._task: asyncio.Task[None] | None = None
         self._outcome_seen = False

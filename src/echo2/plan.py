@@ -164,9 +164,7 @@ def _records(path: Path, kind: str) -> list[dict[str, Any]]:
 def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     """The cost-aware plan as a flat dict (the CLI prints it)."""
     if inputs.t_train_s is None:
-        raise ConfigError(
-            "T_train unknown: declare it (--t-train-s, learner simulated_train_s) or measure it (--run)"
-        )
+        raise ConfigError("T_train unknown: declare it (--t-train-s, learner simulated_train_s) or measure it (--run)")
     plan: dict[str, Any] = {
         "R": inputs.R,
         "staleness": inputs.staleness,
@@ -204,9 +202,7 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
             if mu_active > 0
             else None
         ),
-        cost_per_step=round(
-            cost_per_step(chosen.cost_per_hour, inputs.learner_price_per_hour, inputs.t_train_s), 8
-        ),
+        cost_per_step=round(cost_per_step(chosen.cost_per_hour, inputs.learner_price_per_hour, inputs.t_train_s), 8),
         learner_price_per_hour=inputs.learner_price_per_hour,
         rho={w.worker_id: round(w.rho, 6) for w in sorted(inputs.workers, key=lambda w: (w.rho, w.worker_id))},
     )

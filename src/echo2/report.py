@@ -33,6 +33,7 @@ Learner time is ``time_s`` of the step records: seconds since the learner actor 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -45,10 +46,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import PercentFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 REPORT_DIR = "report"
 STEP_KIND = "step"
@@ -223,8 +224,9 @@ def plot_reward(data: RunData, path: Path, window: int | None = None) -> Path | 
         if len(y) == 0:
             ax.text(0.5, 0.5, "no timestamps", ha="center", va="center", transform=ax.transAxes)
         else:
-            ax.plot(x, y, color="tab:blue", alpha=0.35, linewidth=1, marker="." if len(y) < 30 else None,
-                    label="per step")
+            ax.plot(
+                x, y, color="tab:blue", alpha=0.35, linewidth=1, marker="." if len(y) < 30 else None, label="per step"
+            )
             ax.plot(x, rolling_mean(y, w), color="tab:blue", linewidth=2, label=f"rolling mean ({w} steps)")
             ax.legend(loc="best", fontsize="small")
         ax.set_xlabel(xlabel)
@@ -417,7 +419,7 @@ def activation_records(run_dir: Path) -> list[dict[str, Any]]:
 def dollars_per_step_series(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
     """(unix_s, dollars per step between consecutive records that saw steps)."""
     xs, ys = [], []
-    for a, b in zip(records, records[1:]):
+    for a, b in itertools.pairwise(records):
         da, db = _number(a.get("dollars_total")), _number(b.get("dollars_total"))
         sa, sb = _number(a.get("steps")), _number(b.get("steps"))
         if None in (da, db, sa, sb) or sb <= sa:
@@ -452,7 +454,11 @@ def plot_capacity(data: RunData, records: Sequence[dict[str, Any]], path: Path) 
     ax.set_ylabel("active samplers")
     ax.set_ylim(0, max(int(r.get("n_available") or r.get("n_active") or 0) for r in records) + 1)
     ax2 = ax.twinx()
-    for key, style, label in (("active_mu", "-", "active mu"), ("target_mu", "--", "target"), ("mu_min", ":", "mu_min")):
+    for key, style, label in (
+        ("active_mu", "-", "active mu"),
+        ("target_mu", "--", "target"),
+        ("mu_min", ":", "mu_min"),
+    ):
         ys = [_number(r.get(key)) for r in records]
         ys_arr = np.asarray([np.nan if y is None else y for y in ys], dtype=float)
         ax2.plot(times, ys_arr, linestyle=style, color="tab:green", label=label)
@@ -517,10 +523,7 @@ def plot_broadcast(data: RunData, records: Sequence[dict[str, Any]], path: Path)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     mode = records[-1].get("mode", "?")
-    ax.set_title(
-        f"Weight broadcast ({mode}): median T_bcast {np.median(t_bcast):.3g} s, "
-        f"max {t_bcast.max():.3g} s"
-    )
+    ax.set_title(f"Weight broadcast ({mode}): median T_bcast {np.median(t_bcast):.3g} s, max {t_bcast.max():.3g} s")
     return _save(fig, path)
 
 

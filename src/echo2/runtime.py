@@ -169,9 +169,7 @@ class ProcessRuntime:
         try:
             async with asyncio.TaskGroup() as group:
                 for actor in self.actors:
-                    self._running[actor.name] = group.create_task(
-                        self._run_actor(actor), name=f"actor:{actor.name}"
-                    )
+                    self._running[actor.name] = group.create_task(self._run_actor(actor), name=f"actor:{actor.name}")
                 heartbeat = None
                 if telemetry is not None:
                     heartbeat = group.create_task(self._heartbeats(telemetry), name="heartbeats")
@@ -213,9 +211,7 @@ class ProcessRuntime:
                     task.cancel()
                 break
             if self.stopping.is_set() and self._drain_timer is None:
-                self._drain_timer = loop.call_later(
-                    self.drain_timeout_s, self.force_stop, "drain deadline passed"
-                )
+                self._drain_timer = loop.call_later(self.drain_timeout_s, self.force_stop, "drain deadline passed")
         if heartbeat is not None:
             heartbeat.cancel()
 
@@ -328,9 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     async def amain() -> None:
         curve = None
         if resolved.security.curve:
-            curve = CurveSettings.load(
-                resolved.security.keys_dir, spec.host, resolved.hosts, resolved.security.allowed
-            )
+            curve = CurveSettings.load(resolved.security.keys_dir, spec.host, resolved.hosts, resolved.security.allowed)
         runtime = ProcessRuntime(
             actors,
             addresses,

@@ -170,7 +170,7 @@ class Topology:
     hosts: Mapping[str, HostSpec]
     processes: Mapping[str, ProcessSpec]
     actors: Mapping[str, PlacedActor]
-    security: SecuritySpec = SecuritySpec()
+    security: SecuritySpec = dataclasses.field(default_factory=SecuritySpec)
 
     def actors_in(self, process: str) -> list[PlacedActor]:
         return [a for a in self.actors.values() if a.process == process]
@@ -240,8 +240,7 @@ def validate(raw: Mapping[str, Any]) -> Topology:
 
     if "hosts" in raw:
         hosts = {
-            name: _convert(table, HostSpec, f"hosts.{name}")
-            for name, table in _named_tables(raw, "hosts").items()
+            name: _convert(table, HostSpec, f"hosts.{name}") for name, table in _named_tables(raw, "hosts").items()
         }
         if not hosts:
             raise ConfigError("hosts: declares no host (omit [hosts] for one local host)")
@@ -272,24 +271,19 @@ def validate(raw: Mapping[str, Any]) -> Topology:
             name = spec_name if spec.replicas == 1 else f"{spec_name}-{index}"
             if name in actors:
                 raise ConfigError(
-                    f"duplicate actor name {name!r} (from actors.{actors[name].spec} "
-                    f"and actors.{spec_name})",
+                    f"duplicate actor name {name!r} (from actors.{actors[name].spec} and actors.{spec_name})",
                     path=where,
                 )
             process = template.replace("{name}", name).replace("{i}", str(index))
             if not _NAME_RE.fullmatch(process):
-                raise ConfigError(
-                    f"process name {process!r} must match {_NAME_RE.pattern}", path=f"{where}.process"
-                )
+                raise ConfigError(f"process name {process!r} must match {_NAME_RE.pattern}", path=f"{where}.process")
             if process in declared:
                 processes[process] = declared[process]
             elif spec.process and "{i}" in spec.process and spec.process in declared:
                 processes[process] = declared[spec.process]
             elif strict_processes and spec.process and "{i}" not in spec.process:
                 known = ", ".join(sorted(declared)) or "none"
-                raise ConfigError(
-                    f"unknown process {process!r} (declared: {known})", path=f"{where}.process"
-                )
+                raise ConfigError(f"unknown process {process!r} (declared: {known})", path=f"{where}.process")
             else:
                 processes.setdefault(process, ProcessSpec())
             if processes[process].host not in hosts:
@@ -313,9 +307,7 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))
     security = _convert(_table(raw, "security"), SecuritySpec, "security")
-    topology = Topology(
-        run=run, job=job, hosts=hosts, processes=processes, actors=actors, security=security
-    )
+    topology = Topology(run=run, job=job, hosts=hosts, processes=processes, actors=actors, security=security)
     check_channels(placements(topology))
     return topology
 
@@ -458,9 +450,7 @@ def derive_addresses(
                 connectors.setdefault(channel, []).append(pl)
     # The runtime's heartbeat publisher of every process is a connector of "telemetry".
     process_hosts = {pl.process: pl.host for pl in places}
-    telemetry_peers = [
-        Placement(actor="", process=proc, host=host, ports={}) for proc, host in process_hosts.items()
-    ]
+    telemetry_peers = [Placement(actor="", process=proc, host=host, ports={}) for proc, host in process_hosts.items()]
 
     # Deterministic tcp ports: per host, binders reached from other hosts sorted by (actor, port).
     needs_tcp: dict[str, list[tuple[str, str]]] = {}
@@ -559,10 +549,7 @@ def torch_threads(topology: Topology) -> dict[str, int]:
     is the sum of its actors' ``torch_weight`` and ``W`` the sum over the host's automatic
     processes; ``w == 0`` gives 0 (the runtime leaves torch alone).
     """
-    weights = {
-        name: sum(a.cls.torch_weight(a.config) for a in topology.actors_in(name))
-        for name in topology.processes
-    }
+    weights = {name: sum(a.cls.torch_weight(a.config) for a in topology.actors_in(name)) for name in topology.processes}
     threads: dict[str, int] = {}
     for host_name, host in topology.hosts.items():
         members = [p for p, spec in topology.processes.items() if spec.host == host_name]
@@ -635,7 +622,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     ipc_dir: str = ""
     resume: bool = False
     """Actors restore their state from the run directory's checkpoints (``--resume``)."""
-    security: SecuritySpec = SecuritySpec()
+    security: SecuritySpec = dataclasses.field(default_factory=SecuritySpec)
     tcp_ports: dict[str, int] = {}
     """``"actor.port"`` -> tcp port, for endpoints reached from other hosts."""
 
@@ -652,9 +639,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = derive_addresses(
-        placements(topology), topology.hosts, run_id, curve=topology.security.curve
-    )
+    addresses = derive_addresses(placements(topology), topology.hosts, run_id, curve=topology.security.curve)
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
@@ -682,9 +667,7 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             torch_threads=threads[proc_name],
             actors=members,
             telemetry_connect=list(addresses.telemetry.get(proc_name, ())),
-            telemetry_curve_servers=[
-                addresses.curve_hosts.get(u, "") for u in addresses.telemetry.get(proc_name, ())
-            ],
+            telemetry_curve_servers=[addresses.curve_hosts.get(u, "") for u in addresses.telemetry.get(proc_name, ())],
             restart=spec.restart,
             max_restarts=spec.max_restarts,
             restart_backoff_s=spec.restart_backoff_s,

@@ -386,7 +386,10 @@ class Learner(Actor):
         directory = self.ctx.run_dir / "checkpoints" / f"step_{self.version:06d}"
         directory.mkdir(parents=True, exist_ok=True)
         if self.policy.kind == "tiny":
-            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()}, directory / "model.safetensors")
+            save_file(
+                {k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+                directory / "model.safetensors",
+            )
             (directory / "config.json").write_text(self.model.config.to_json())
         else:
             self.policy.save(directory)  # save_pretrained: loadable as a model directory
@@ -425,9 +428,7 @@ class Learner(Actor):
         self.ctx.ledger(
             "resumed", incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version
         )
-        self.ctx.log.info(
-            "resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation
-        )
+        self.ctx.log.info("resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation)
 
     async def _checkpoint(self) -> None:
         if await asyncio.to_thread(self.save_checkpoint) is not None:

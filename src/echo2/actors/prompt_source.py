@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import json
 import itertools
+import json
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -49,17 +49,17 @@ from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors.common import load_job_task, run_until_stopped
 from echo2.actors.scheduler import POLICIES, Scheduler, SchedulerDecision
 from echo2.messages import (
+    PROTOCOL_VERSION,
     ExpireLease,
     Heartbeat,
     Hello,
-    LeaseClosed,
     LearnerProgress,
+    LeaseClosed,
     TaskLease,
-    Welcome,
     WeightsInstalled,
+    Welcome,
     WorkRequest,
 )
-from echo2.messages import PROTOCOL_VERSION
 from echo2.tasks.base import Prompt
 
 
@@ -200,7 +200,9 @@ class PromptSource(Actor):
         path = self._state_path()
         if path is None:
             return
-        pending = [(p, a) for p, a in self._retry] + [(l.prompt, l.attempt + 1) for l in self._leases.values()]
+        pending = [(p, a) for p, a in self._retry] + [
+            (lease.prompt, lease.attempt + 1) for lease in self._leases.values()
+        ]
         state = {
             "issued_tasks": self._issued_tasks,
             # The in-flight window's counters must agree with the Buffer's restored ones.
@@ -321,8 +323,10 @@ class PromptSource(Actor):
 
     async def _greet(self, peer: bytes, hello: Hello) -> None:
         accepted = hello.protocol_version == PROTOCOL_VERSION
-        reason = "" if accepted else (
-            f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})"
+        reason = (
+            ""
+            if accepted
+            else (f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})")
         )
         if not accepted:
             self.counters["refused_peers"] += 1
@@ -349,9 +353,7 @@ class PromptSource(Actor):
                 elif isinstance(message, LearnerProgress):
                     self._next_version = max(self._next_version, message.next_version)
                     self._trained = max(self._trained, message.groups_trained)
-                    self._dropped_after_store = max(
-                        self._dropped_after_store, message.groups_dropped_after_store
-                    )
+                    self._dropped_after_store = max(self._dropped_after_store, message.groups_dropped_after_store)
                     self.scheduler.observe_delivered(message.delivered_by_sampler)
             self._wakeup.set()
 

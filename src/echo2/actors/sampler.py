@@ -165,9 +165,7 @@ class Sampler(Actor):
         Runs in ``run()``, not ``setup()``: setup must never wait for a peer, since peers
         in the same process are set up one after another.
         """
-        await self._tasks.send(
-            Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
-        )
+        await self._tasks.send(Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname()))
         while True:
             reply = await self._tasks.recv()
             if isinstance(reply, Welcome):
@@ -178,8 +176,10 @@ class Sampler(Actor):
     def statistics(self) -> dict[str, float]:
         version = self._installed[1] if self._installed else -1
         receiver = getattr(self, "_receiver", None)
-        received = receiver.statistics() if receiver is not None else dict.fromkeys(
-            ("manifests_rejected", "corrupt_chunks", "repair_requests", "chunks_forwarded"), 0
+        received = (
+            receiver.statistics()
+            if receiver is not None
+            else dict.fromkeys(("manifests_rejected", "corrupt_chunks", "repair_requests", "chunks_forwarded"), 0)
         )
         self.counters["manifests_rejected"] = int(received["manifests_rejected"])
         self.counters["corrupt_chunks"] = int(received["corrupt_chunks"])
@@ -205,9 +205,7 @@ class Sampler(Actor):
     # -- loops -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        await run_until_stopped(
-            self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate()
-        )
+        await run_until_stopped(self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate())
 
     async def _receive_leases(self) -> None:
         await self._handshake()
@@ -316,9 +314,7 @@ class Sampler(Actor):
         assert self._installed is not None
         incarnation, version = self._installed
         first = batch[0]
-        params = SamplingParams(
-            temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens
-        )
+        params = SamplingParams(temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens)
         prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
         started = time.perf_counter()
         rows = await asyncio.to_thread(

@@ -89,8 +89,7 @@ class CounterSource(Actor):
             n = min(batch, count - self.sent)
             now = time.time()
             await self._out.send_many(
-                MetricsRecord(source=self.name, kind="n", time_s=now, values={"i": self.sent + k})
-                for k in range(n)
+                MetricsRecord(source=self.name, kind="n", time_s=now, values={"i": self.sent + k}) for k in range(n)
             )
             self.sent += n
             await asyncio.sleep(0)  # a send that never blocks never yields: let others run
@@ -180,13 +179,9 @@ class Idle(Actor):
 
 class HeartbeatSink(Actor):
     kind = "heartbeat_sink"
-    ports: ClassVar[dict[str, Port]] = {
-        "heartbeats": Port("sub", bind=True, channel=TELEMETRY_CHANNEL, on_full="drop")
-    }
+    ports: ClassVar[dict[str, Port]] = {"heartbeats": Port("sub", bind=True, channel=TELEMETRY_CHANNEL, on_full="drop")}
 
-    def __init__(
-        self, name: str, config: ActorConfig | None = None, job: JobConfig | None = None
-    ) -> None:
+    def __init__(self, name: str, config: ActorConfig | None = None, job: JobConfig | None = None) -> None:
         super().__init__(name, config, job)
         self.seen: dict[str, Heartbeat] = {}
 

@@ -113,9 +113,7 @@ class WeightPublisher(Actor):
 
     def _on_bcast(self, values: dict) -> None:  # type: ignore[type-arg]
         self.ctx.record("broadcast", **values)
-        self.ctx.log.debug(
-            "T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"]
-        )
+        self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
 
     def statistics(self) -> dict[str, float]:
         stats = self.broadcaster.statistics()
@@ -134,23 +132,17 @@ class WeightPublisher(Actor):
             broadcaster.close()
 
     async def run(self) -> None:
-        await run_until_stopped(
-            self.ctx.stopping, self._receive_snapshots(), self.broadcaster.run()
-        )
+        await run_until_stopped(self.ctx.stopping, self._receive_snapshots(), self.broadcaster.run())
 
     async def _receive_snapshots(self) -> None:
         while True:
-            batch = [
-                m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)
-            ]
+            batch = [m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)]
             if not batch:
                 continue
             newest = max(batch, key=lambda s: (s.incarnation, s.version))
             self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
-            manifest = await asyncio.to_thread(
-                make_manifest, newest, self.config.chunk_bytes
-            )
+            manifest = await asyncio.to_thread(make_manifest, newest, self.config.chunk_bytes)
             if self._signer is not None:
                 manifest = self._signer.sign(manifest)
             self.broadcaster.publish_nowait(newest, manifest)

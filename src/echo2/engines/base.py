@@ -78,9 +78,7 @@ def validate_weights(tensors: Mapping[str, np.ndarray], layout: TensorLayout) ->
         got_shape = tuple(array.shape)
         got_dtype = str(array.dtype)
         if got_shape != shape or got_dtype != dtype:
-            raise ValueError(
-                f"weight {name!r} is {got_dtype}{list(got_shape)}, the model expects {dtype}{list(shape)}"
-            )
+            raise ValueError(f"weight {name!r} is {got_dtype}{list(got_shape)}, the model expects {dtype}{list(shape)}")
 
 
 class Engine(ABC):

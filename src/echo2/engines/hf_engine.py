@@ -125,8 +125,11 @@ def hf_decode_batch(
         step_ids = tok.masked_fill(done, pad_id)[:, None]  # (A, 1)
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)  # (A, W + t + 1)
         out = model(
-            input_ids=step_ids, attention_mask=attn, position_ids=next_pos[:, None],
-            use_cache=True, **{cache_arg: cache},
+            input_ids=step_ids,
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            use_cache=True,
+            **{cache_arg: cache},
         )
         cache = getattr(out, cache_arg)
         logits = out.logits[:, -1]  # (A, V)
@@ -204,8 +207,13 @@ class HFTorchEngine(Engine):
             self._hf.eval()
             try:
                 tokens, logprobs, lengths, hit_eos = hf_decode_batch(
-                    self._hf, prompts, n, params,
-                    eos_ids=self.tokenizer.eos_ids, pad_id=self.tokenizer.pad_id, generator=generator,
+                    self._hf,
+                    prompts,
+                    n,
+                    params,
+                    eos_ids=self.tokenizer.eos_ids,
+                    pad_id=self.tokenizer.pad_id,
+                    generator=generator,
                     should_stop=lambda: self._closed,
                 )
             finally:

@@ -54,7 +54,7 @@ class SafetensorsStaging:
             f.write(len(encoded).to_bytes(8, "little"))
             f.write(encoded)
             f.truncate(total)
-        self._file = open(self.path, "r+b")  # noqa: SIM115 (held for the map's lifetime)
+        self._file = open(self.path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), total)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         # Allocate the file's pages now (tmpfs hands them out on first write), so that the

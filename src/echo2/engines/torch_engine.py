@@ -115,9 +115,7 @@ def decode_batch(
         offset = (width - prompt_lens)[:, None]  # (P, 1) padding before each prompt
         key_mask[:, :width] = torch.arange(width, device=device) >= offset
         positions = (torch.arange(width, device=device) - offset).clamp(min=0)  # (P, W)
-        logits = model(
-            ids, cache, positions=positions, key_padding_mask=key_mask[:, :width]
-        )[:, -1]  # (P, V)
+        logits = model(ids, cache, positions=positions, key_padding_mask=key_mask[:, :width])[:, -1]  # (P, V)
     else:
         logits = model(ids, cache)[:, -1]  # (P, V)
 
@@ -159,7 +157,9 @@ def decode_batch(
         step_ids = tok.masked_fill(done, pad_id)[:, None]  # (A, 1)
         if key_mask is not None:
             logits = model(
-                step_ids, cache, positions=next_pos[:, None],
+                step_ids,
+                cache,
+                positions=next_pos[:, None],
                 key_padding_mask=key_mask[:, : cache.length + 1],
             )[:, -1]  # (A, V)
         else:
@@ -204,8 +204,7 @@ class TorchEngine(Engine):
         self.tokenizer = CharTokenizer()
         if model.config.vocab_size != self.tokenizer.vocab_size:
             raise ValueError(
-                f"model vocab_size {model.config.vocab_size} != "
-                f"tokenizer vocab_size {self.tokenizer.vocab_size}"
+                f"model vocab_size {model.config.vocab_size} != tokenizer vocab_size {self.tokenizer.vocab_size}"
             )
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._version = version
@@ -242,8 +241,13 @@ class TorchEngine(Engine):
             generator = torch.Generator(device=self._device).manual_seed(params.seed)
         with self._lock:
             tokens, logprobs, lengths, hit_eos = decode_batch(
-                self._model, prompts, n, params,
-                eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id, generator=generator,
+                self._model,
+                prompts,
+                n,
+                params,
+                eos_id=self.tokenizer.eos_id,
+                pad_id=self.tokenizer.pad_id,
+                generator=generator,
             )
         out: list[list[Completion]] = []
         for i in range(len(prompts)):

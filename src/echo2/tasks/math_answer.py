@@ -87,7 +87,10 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     a, b = parse_number(predicted), parse_number(reference)
     if a is not None and b is not None:
         return a == b
-    norm = lambda s: re.sub(r"\s+", " ", s.strip().lower().rstrip("."))
+
+    def norm(s: str) -> str:
+        return re.sub(r"\s+", " ", s.strip().lower().rstrip("."))
+
     return norm(predicted) == norm(reference)
 
 
@@ -118,7 +121,9 @@ class MathWordTask:
         k, m = rng.randint(2, 6), rng.randint(2, 9)
         x = rng.randint(k * m + 1, self.max_value + k * m)
         if rng.random() < 0.5:
-            text = f"{name} has {x} {item} and buys {k} bags with {m} {item} each. How many {item} does {name} have now?"
+            text = (
+                f"{name} has {x} {item} and buys {k} bags with {m} {item} each. How many {item} does {name} have now?"
+            )
             answer = x + k * m
         else:
             text = f"{name} has {x} {item} and gives away {k} bags with {m} {item} each. How many {item} are left?"

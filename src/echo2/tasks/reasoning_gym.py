@@ -69,7 +69,9 @@ class ReasoningGymTask:
     def _items(self, seed: int) -> Iterator[dict[str, Any]]:
         index = 0
         while True:
-            derived = int.from_bytes(hashlib.blake2b(f"{self.name}-{seed}-{index}".encode(), digest_size=4).digest(), "little")
+            derived = int.from_bytes(
+                hashlib.blake2b(f"{self.name}-{seed}-{index}".encode(), digest_size=4).digest(), "little"
+            )
             yield from self._rg.create_dataset(self.dataset, size=self.chunk, seed=derived, **self.config)
             index += 1
 

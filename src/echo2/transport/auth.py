@@ -114,9 +114,7 @@ class CurveSettings:
     @classmethod
     def load(cls, keys_dir: str | Path, host: str, hosts: Iterable[str], allowed: Sequence[str]) -> CurveSettings:
         keys_dir = Path(keys_dir)
-        server_keys = {
-            h: load_public_key(keys_dir / f"{h}.key") for h in hosts if (keys_dir / f"{h}.key").exists()
-        }
+        server_keys = {h: load_public_key(keys_dir / f"{h}.key") for h in hosts if (keys_dir / f"{h}.key").exists()}
         allowed_paths = list(allowed) or [str(keys_dir / "allowed")]
         return cls(
             keys=load_keypair(keys_dir / f"{host}.key_secret"),
@@ -124,7 +122,9 @@ class CurveSettings:
             allowed=load_public_keys(allowed_paths),
         )
 
-    def for_urls(self, curve_server: bool, connect: Sequence[str], servers: Sequence[str]) -> CurveServer | CurveClient | None:
+    def for_urls(
+        self, curve_server: bool, connect: Sequence[str], servers: Sequence[str]
+    ) -> CurveServer | CurveClient | None:
         """The CURVE role of a socket from its resolved addresses."""
         if curve_server:
             return CurveServer(self.keys)

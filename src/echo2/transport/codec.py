@@ -44,8 +44,7 @@ MAX_ARRAY_DIMS = 8
 
 # Fixed-width numeric dtypes only: an "object" dtype would let a peer smuggle pointers.
 ALLOWED_DTYPES = frozenset(
-    np.dtype(t).str
-    for t in ("u1", "i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8", "?")
+    np.dtype(t).str for t in ("u1", "i1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8", "?")
 )
 
 _PREAMBLE = bytes([MAGIC, PROTOCOL_VERSION])
@@ -89,15 +88,15 @@ class Codec:
         self._in_frames: Sequence[Any] = ()
         self._in_used: list[bool] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(
-            types, ext_hook=self._ext_hook, dec_hook=self._dec_hook
-        )
+        self._decoder = msgspec.msgpack.Decoder(types, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
         # A bundle is told from a message by its msgpack array marker, which needs every
         # message type to encode as a map (the default for echo2's tagged messages).
         self.bundles = _all_map_structs(types)
-        self._bundle_decoder = msgspec.msgpack.Decoder(
-            list[types], ext_hook=self._ext_hook, dec_hook=self._dec_hook
-        ) if self.bundles else None
+        self._bundle_decoder = (
+            msgspec.msgpack.Decoder(list[types], ext_hook=self._ext_hook, dec_hook=self._dec_hook)
+            if self.bundles
+            else None
+        )
 
     # -- encode ----------------------------------------------------------------------
 
@@ -163,9 +162,7 @@ class Codec:
         if header[0] != MAGIC:
             raise DecodeError("not an echo2 frame (bad magic byte)")
         if header[1] != PROTOCOL_VERSION:
-            raise ProtocolMismatch(
-                f"peer speaks protocol {header[1]}, this process speaks {PROTOCOL_VERSION}"
-            )
+            raise ProtocolMismatch(f"peer speaks protocol {header[1]}, this process speaks {PROTOCOL_VERSION}")
         marker = header[2]
         if (0x90 <= marker <= 0x9F or marker in (0xDC, 0xDD)) and self._bundle_decoder is not None:
             if len(frames) != 1:
@@ -191,10 +188,7 @@ class Codec:
         finally:
             self._in_frames = ()
         if not all(self._in_used[1:]):
-            raise DecodeError(
-                f"wrong frame count: {len(frames) - 1} data frames, "
-                f"{sum(self._in_used[1:])} referenced"
-            )
+            raise DecodeError(f"wrong frame count: {len(frames) - 1} data frames, {sum(self._in_used[1:])} referenced")
         return message
 
     def _ext_hook(self, code: int, data: memoryview) -> np.ndarray:
@@ -220,8 +214,7 @@ def _all_map_structs(types: Any) -> bool:
     """True if every type in ``types`` (a class or a Union) is a map-encoded msgspec Struct."""
     members = typing.get_args(types) if typing.get_origin(types) in (typing.Union, types_module.UnionType) else (types,)
     return all(
-        isinstance(t, type) and issubclass(t, msgspec.Struct) and not t.__struct_config__.array_like
-        for t in members
+        isinstance(t, type) and issubclass(t, msgspec.Struct) and not t.__struct_config__.array_like for t in members
     )
 
 

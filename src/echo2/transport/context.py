@@ -63,7 +63,7 @@ class Transport:
         name: str,
         bind: Iterable[str] = (),
         connect: Iterable[str] = (),
-        options: SocketOptions = SocketOptions(),
+        options: SocketOptions | None = None,
         on_full: OnFull = "block",
         producers: int = 0,
         identity: bytes | None = None,
@@ -85,7 +85,7 @@ class Transport:
             raise TransportError(f"unknown socket kind {kind!r}") from None
         socket = self._context.socket(cls.socket_type)
         try:
-            _apply_options(socket, cls.socket_type, options, identity)
+            _apply_options(socket, cls.socket_type, options or SocketOptions(), identity)
             endpoint = cls(
                 socket,
                 name=name,
@@ -163,9 +163,7 @@ class Transport:
         self.close()
 
 
-def _apply_options(
-    socket: zmq.Socket, socket_type: int, options: SocketOptions, identity: bytes | None
-) -> None:
+def _apply_options(socket: zmq.Socket, socket_type: int, options: SocketOptions, identity: bytes | None) -> None:
     socket.setsockopt(zmq.LINGER, options.linger_ms)
     socket.setsockopt(zmq.SNDHWM, options.hwm)
     socket.setsockopt(zmq.RCVHWM, options.hwm)

@@ -131,9 +131,7 @@ def chunk_sender(transport: Transport, name: str, address: str, chunk_bytes: int
 # -- plans -------------------------------------------------------------------------------
 
 
-def relay_plan(
-    members: Sequence[str], mode: str, stripes: int = 1
-) -> tuple[int, list[RelayChain]]:
+def relay_plan(members: Sequence[str], mode: str, stripes: int = 1) -> tuple[int, list[RelayChain]]:
     """``(stripes, chains)`` for one version. Pure.
 
     star: one single-member chain per member (the publisher sends everything to all);
@@ -151,10 +149,7 @@ def relay_plan(
     if mode == "relay" or stripes <= 1:
         return 1, [RelayChain(0, names)]
     n = len(names)
-    return stripes, [
-        RelayChain(s, names[s * n // stripes :] + names[: s * n // stripes])
-        for s in range(stripes)
-    ]
+    return stripes, [RelayChain(s, names[s * n // stripes :] + names[: s * n // stripes]) for s in range(stripes)]
 
 
 def bcast_threshold(active: int, gamma: float = GAMMA) -> int:
@@ -282,9 +277,7 @@ class WeightReceiver:
         self._early: dict[Key, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[Key, str, WeightChunk]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            verify_threads, thread_name_prefix=f"verify-{name}"
-        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
         self._slots = asyncio.Semaphore(verify_threads)
         self._verify_threads = verify_threads
         self._group: asyncio.TaskGroup | None = None
@@ -318,9 +311,7 @@ class WeightReceiver:
         land in place, see ``echo2.transport.chunkstream``) or a ZeroMQ PULL
         (``data_plane="zmq"``); over ipc and inproc it is always a PULL.
         """
-        control_url = (
-            self._control.endpoints[0] if self._control.endpoints else "inproc://x"
-        )
+        control_url = self._control.endpoints[0] if self._control.endpoints else "inproc://x"
         bind = relay_bind_url(control_url, self.name)
         if self.data_plane == "stream" and bind.startswith("tcp://"):
             listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
@@ -339,13 +330,9 @@ class WeightReceiver:
         self._inbox = self._transport.pull(
             name=f"{self.name}.relay",
             bind=[bind],
-            options=SocketOptions(
-                hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)
-            ),
+            options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=_max_message_bytes(64 << 20)),
         )
-        self.relay_address = announce_url(
-            self._inbox.endpoints[0], control_url, self._relay_host
-        )
+        self.relay_address = announce_url(self._inbox.endpoints[0], control_url, self._relay_host)
         return self.relay_address
 
     def close(self) -> None:
@@ -397,11 +384,7 @@ class WeightReceiver:
         return self._complete_key
 
     def newest(self) -> Key | None:
-        keys = [
-            k
-            for k in (self._complete_key, self.assembling, self._installed_key)
-            if k is not None
-        ]
+        keys = [k for k in (self._complete_key, self.assembling, self._installed_key) if k is not None]
         return max(keys) if keys else None
 
     def statistics(self) -> dict[str, float]:
@@ -415,9 +398,7 @@ class WeightReceiver:
 
     async def report_installed(self, key: Key, install_s: float) -> None:
         """Tell the publisher this version is installed (T_bcast counts it)."""
-        self._installed_key = (
-            key if self._installed_key is None else max(key, self._installed_key)
-        )
+        self._installed_key = key if self._installed_key is None else max(key, self._installed_key)
         await self._control.send(
             WeightsInstalled(
                 sampler_id=self.name,
@@ -506,11 +487,7 @@ class WeightReceiver:
         plan, assembler = self._plan, self._assembler
         self._successors = {}
         self._dead_successors = set()
-        if (
-            plan is None
-            or assembler is None
-            or (plan.incarnation, plan.version) != assembler.key
-        ):
+        if plan is None or assembler is None or (plan.incarnation, plan.version) != assembler.key:
             return
         for chain in plan.chains:
             if self.name in chain.members:
@@ -546,9 +523,7 @@ class WeightReceiver:
             assembler = SnapshotAssembler(manifest, buffer)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
-            log.warning(
-                "%s: rejected manifest v%d: %s", self.name, manifest.version, exc
-            )
+            log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
             return
         self._assembler = assembler
         self._progress = _Progress(time.monotonic())
@@ -575,7 +550,9 @@ class WeightReceiver:
             return map_snapshot(offer.path, manifest.total_bytes)
         except OSError as exc:
             self.counters["shm_failures"] += 1
-            log.warning("%s: cannot map v%d from %s (%s); repairing instead", self.name, manifest.version, offer.path, exc)
+            log.warning(
+                "%s: cannot map v%d from %s (%s); repairing instead", self.name, manifest.version, offer.path, exc
+            )
             return None
 
     async def _verify_mapped(self, assembler: SnapshotAssembler) -> None:
@@ -609,9 +586,7 @@ class WeightReceiver:
         outcomes = await loop.run_in_executor(self._pool, _offer_all, assembler, mine)
         self._after_offers(assembler, mine, outcomes)
 
-    def _after_offers(
-        self, assembler: SnapshotAssembler, chunks: list[WeightChunk], outcomes: list[str]
-    ) -> None:
+    def _after_offers(self, assembler: SnapshotAssembler, chunks: list[WeightChunk], outcomes: list[str]) -> None:
         """Count what verification said, forward what was stored, finish a version."""
         for chunk, outcome in zip(chunks, outcomes, strict=True):
             if outcome == "corrupt":
@@ -694,9 +669,7 @@ class WeightReceiver:
 
         self._group.create_task(prepare())
 
-    def _queue_forward(
-        self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None
-    ) -> None:
+    def _queue_forward(self, assembler: SnapshotAssembler, index: int, chunk: WeightChunk | None) -> None:
         plan = self._plan
         if not self._successors or plan is None:
             return
@@ -720,9 +693,7 @@ class WeightReceiver:
         while True:
             key, address, chunk = await self._forward.get()
             newest = self.newest()
-            if (
-                newest is not None and key < newest
-            ) or address in self._dead_successors:
+            if (newest is not None and key < newest) or address in self._dead_successors:
                 continue
             await self._uplink.acquire(chunk.data.nbytes)
             try:
@@ -764,10 +735,7 @@ class WeightReceiver:
             if assembler is None:
                 continue
             now = time.monotonic()
-            if (
-                now - max(self._progress.last_s, self._progress.requested_s)
-                >= self.gap_timeout_s
-            ):
+            if now - max(self._progress.last_s, self._progress.requested_s) >= self.gap_timeout_s:
                 if self._stream is not None:
                     # A stream stuck mid-chunk holds that chunk's place in the buffer, so
                     # its repair could never land; a stalled version frees them all.
@@ -894,9 +862,7 @@ class WeightBroadcaster:
 
     # -- API -------------------------------------------------------------------------
 
-    def publish_nowait(
-        self, snapshot: Snapshot, manifest: WeightManifest | None = None
-    ) -> None:
+    def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
         """Make ``snapshot`` the latest version and start streaming it (the previous
         stream, if still running, stops: only the newest version matters)."""
         if manifest is None:
@@ -906,11 +872,7 @@ class WeightBroadcaster:
 
     def members(self) -> list[str]:
         now = time.monotonic()
-        for name in [
-            n
-            for n, m in self._members.items()
-            if now - m.last_seen_s > self.member_ttl_s
-        ]:
+        for name in [n for n, m in self._members.items() if now - m.last_seen_s > self.member_ttl_s]:
             del self._members[name]
             self.counters["members_expired"] += 1
         return list(self._members)
@@ -927,12 +889,7 @@ class WeightBroadcaster:
 
     async def wait_installed(self, key: Key, count: int) -> None:
         async with self._changed:
-            await self._changed.wait_for(
-                lambda: (
-                    sum(1 for m in self._members.values() if m.installed >= key)
-                    >= count
-                )
-            )
+            await self._changed.wait_for(lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count)
 
     @property
     def latest_key(self) -> Key | None:
@@ -980,24 +937,18 @@ class WeightBroadcaster:
         now = time.monotonic()
         member = self._members.get(message.sampler_id)
         joined = member is None
-        restarted = member is not None and (
-            member.address != message.relay_address or member.peer != peer
-        )
+        restarted = member is not None and (member.address != message.relay_address or member.peer != peer)
         if member is None or restarted:
             member = _Member(peer, message.relay_address, now)
             self._members[message.sampler_id] = member
         member.last_seen_s = now
         member.shm_id = message.shm_id
-        member.installed = max(
-            member.installed, (message.incarnation, message.installed_version)
-        )
+        member.installed = max(member.installed, (message.incarnation, message.installed_version))
         latest = self._latest
         if latest is None or member.installed >= latest.key:
             return
         in_stream = message.sampler_id in latest.active
-        overdue = (
-            now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
-        )
+        overdue = now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
         if (joined and not in_stream) or restarted or overdue:
             # Late joiner (or a member that lost track): the latest version at once.
             member.manifest_sent_s = now
@@ -1080,7 +1031,9 @@ class WeightBroadcaster:
                 path = await asyncio.to_thread(write_snapshot, self.shm_dir, name, version.snapshot.data)
             except OSError as exc:
                 self.counters["shm_failures"] += 1
-                log.warning("%s: cannot write v%d to %s (%s); repairing instead", self.name, version.key[1], self.shm_dir, exc)
+                log.warning(
+                    "%s: cannot write v%d to %s (%s); repairing instead", self.name, version.key[1], self.shm_dir, exc
+                )
                 return None
             version.shm_path = path
             self.counters["shm_versions_written"] += 1
@@ -1121,7 +1074,9 @@ class WeightBroadcaster:
             if await self._send(member.peer, plan):
                 await self._send(member.peer, version.manifest)
         if local:
-            await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses))
+            await asyncio.gather(
+                self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses)
+            )
         else:
             await self._stream_chunks(version, stripes, chains, addresses)
 
