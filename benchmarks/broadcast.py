@@ -13,7 +13,7 @@ once and every mode publishes one fresh snapshot of ``--size-mb`` (a new version
 
 Regimes: ``uncapped``; ``b0=bw``: every subscriber's uplink and downlink capped at Bw and
 the publisher's uplink B0 = Bw; ``b0=2bw``: B0 = 2 Bw. The caps are the application-level
-token buckets of ``echo2.transport.link`` and apply to every byte on the weight path.
+token buckets of ``echo2.weights.link`` and apply to every byte on the weight path.
 
 Also measured in the same run: raw TCP loopback bandwidth (two threads, plain sockets,
 ``sendall``/``recv_into``), twice: once cache-hot (one 1 MB buffer sent over and over, the
@@ -52,16 +52,16 @@ import numpy as np
 
 from echo2.messages import Snapshot
 from echo2.transport import Transport
-from echo2.transport.broadcast import (
+from echo2.weights import DATA_PLANES, WeightBroadcaster, WeightReceiver
+from echo2.weights.chunks import (
     DEFAULT_DIGEST,
     SnapshotAssembler,
     flatten_tensors,
     make_manifest,
     prefaulted_buffer,
 )
-from echo2.transport.link import LinkSpec
-from echo2.transport.shm import default_shm_dir
-from echo2.transport.weights import DATA_PLANES, WeightBroadcaster, WeightReceiver
+from echo2.weights.link import LinkSpec
+from echo2.weights.shm import default_shm_dir
 
 MODES = ("star", "relay", "striped")
 REGIMES = ("uncapped", "b0=bw", "b0=2bw")
@@ -159,7 +159,7 @@ def raw_tcp_bandwidth(nbytes: int, source: np.ndarray | None = None) -> float:
 
 def digest_bandwidth(nbytes: int, chunk: int) -> float:
     """Bytes/s of per-chunk verification (the default digest) on one thread."""
-    from echo2.transport.broadcast import digest
+    from echo2.weights.chunks import digest
 
     data = memoryview(np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)).cast("B")
     started = time.perf_counter()

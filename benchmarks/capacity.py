@@ -203,7 +203,7 @@ def measure(run_dir: Path) -> dict[str, Any]:
 
 
 def _predicted_bubble(probe: dict[str, Any], pool_mu: float) -> float | None:
-    from echo2.rl.capacity import predicted_bubble_ratio
+    from echo2.capacity.model import predicted_bubble_ratio
 
     try:
         return round(

@@ -80,7 +80,7 @@ def main() -> int:
     from echo2.models.policy import load_policy
     from echo2.rl.grpo import grpo_loss
     from echo2.rl.logprobs import sequence_logprobs
-    from echo2.transport.broadcast import flatten_tensors, unflatten
+    from echo2.weights.chunks import flatten_tensors, unflatten
 
     report: dict[str, object] = {"device": torch.cuda.get_device_name(0), "dtype": args.dtype}
     started = time.perf_counter()

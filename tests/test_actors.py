@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from echo2.actor import Actor, JobConfig, PortAddresses
+from echo2.actor import Actor, PortAddresses
 from echo2.actors.buffer import Buffer
 from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
 from echo2.actors.rewarder import Rewarder, RewarderConfig
+from echo2.job import JobConfig
 from echo2.messages import (
     Batch,
     BatchRequest,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from echo2.audit import audit, main
+from echo2.tools.audit import audit, main
 
 
 def _write(run: Path, actor: str, events: list[dict]) -> None:

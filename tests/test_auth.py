@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from echo2.keys import main as keys_main
 from echo2.messages import Hello
+from echo2.tools.keys import main as keys_main
 from echo2.transport import Transport
 from echo2.transport.auth import CurveClient, CurveServer, load_keypair, load_public_keys
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from echo2.messages import Snapshot, WeightChunk, WeightManifest
-from echo2.transport.broadcast import (
+from echo2.weights import announce_url, bcast_threshold, relay_bind_url
+from echo2.weights.chunks import (
     ManifestRejected,
     SnapshotAssembler,
     check_manifest,
@@ -19,8 +20,7 @@ from echo2.transport.broadcast import (
     iter_chunks,
     make_manifest,
 )
-from echo2.transport.link import DelayLine, LinkSpec, TokenBucket, mbps_to_bytes_per_s
-from echo2.transport.weights import announce_url, bcast_threshold, relay_bind_url
+from echo2.weights.link import DelayLine, LinkSpec, TokenBucket, mbps_to_bytes_per_s
 
 
 def snapshot(nbytes: int = 10_000, version: int = 1) -> Snapshot:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echo2.rl.capacity import (
+from echo2.capacity.model import (
     ActivationController,
     Worker,
     bubble_ratio,

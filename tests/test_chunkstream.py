@@ -10,13 +10,13 @@ import pytest
 
 from echo2.errors import TransportError
 from echo2.messages import Snapshot, WeightChunk
-from echo2.transport.broadcast import (
+from echo2.weights.chunks import (
     SnapshotAssembler,
     flatten_tensors,
     iter_chunks,
     make_manifest,
 )
-from echo2.transport.chunkstream import (
+from echo2.weights.stream import (
     HEADER,
     MAGIC,
     ChunkStreamSender,

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.test_actors import _group, running
 
-from echo2.actor import JobConfig
 from echo2.actors.buffer import Buffer
 from echo2.actors.prompt_source import PromptSource
 from echo2.actors.rewarder import Rewarder
+from echo2.job import JobConfig
 from echo2.messages import (
     Batch,
     BatchRequest,

@@ -143,10 +143,10 @@ class _Ctx:
 
 def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     """The Learner actor's HF path: build, evaluate, one GRPO step, publish -> sampler install."""
-    from echo2.actor import JobConfig
     from echo2.actors.learner import Learner, LearnerConfig
+    from echo2.job import JobConfig
     from echo2.messages import RolloutGroup, ScoredGroup
-    from echo2.transport.broadcast import flatten_tensors, unflatten
+    from echo2.weights.chunks import flatten_tensors, unflatten
 
     job = JobConfig(model=str(llama_dir), task="addition", max_new_tokens=5, group_size=4, groups_per_step=1)
     learner = Learner("learner", LearnerConfig(eval_prompts=3, warmup_steps=1, lr=1e-2), job)

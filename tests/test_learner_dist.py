@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from echo2.actor import JobConfig
+from echo2.job import JobConfig
 from echo2.actors.learner import LearnerConfig
 from echo2.learner_dist import DistributedLearner, follower_loop, init_distributed, stop_followers
 from echo2.messages import RolloutGroup, ScoredGroup

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo2.actor import JobConfig
 from echo2.actors.buffer import Buffer
 from echo2.actors.learner import Learner, LearnerConfig
 from echo2.actors.prompt_source import PromptSource
 from echo2.actors.rewarder import Rewarder
 from echo2.actors.sampler import Sampler, SamplerConfig
 from echo2.actors.weight_publisher import WeightPublisher
+from echo2.job import JobConfig
 from echo2.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: st
     steps = [json.loads(line) for line in (run / "metrics" / "learner.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if s["kind"] == "step"] == list(range(1, 31))
     assert all(s["staleness_max"] <= budget for s in steps if s["kind"] == "step")
-    from echo2.audit import audit
+    from echo2.tools.audit import audit
 
     report = audit([run])
     assert report.ok, report

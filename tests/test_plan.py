@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from echo2.plan import main
+from echo2.tools.plan import main
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "capacity.toml"

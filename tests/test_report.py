@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echo2.report import PLOT_NAMES, main, rolling_mean, rolling_sum, write_report
+from echo2.tools.report import PLOT_NAMES, main, rolling_mean, rolling_sum, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 40

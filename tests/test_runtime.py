@@ -15,8 +15,8 @@ import pytest
 from echo2.actor import Actor, ActorConfig, ActorContext, Port
 from echo2.actors.testing import CounterSink, CounterSource, Failing, Idle
 from echo2.errors import ActorFailed
-from echo2.messages import Heartbeat
-from echo2.runtime import HEARTBEAT_TOPIC, ProcessRuntime
+from echo2.messages import HEARTBEAT_TOPIC, Heartbeat
+from echo2.runtime import ProcessRuntime
 from echo2.topology import DEFAULT_HOST, HostSpec, Placement, derive_addresses
 from echo2.transport import Transport
 

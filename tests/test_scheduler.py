@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from echo2.actors.scheduler import Scheduler
-from echo2.rl.capacity import ActivationController, Worker
+from echo2.capacity.model import ActivationController, Worker
+from echo2.capacity.scheduler import Scheduler
 
 
 def _sched(policy: str = "cost_aware", **kw) -> Scheduler:

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from tests.test_weights_relay import CHUNK, equal_to, harness, snapshot
 
-from echo2.keys import main as keys_main
-from echo2.transport.broadcast import ManifestRejected, make_manifest
-from echo2.transport.signing import ManifestSigner, ManifestVerifier
+from echo2.tools.keys import main as keys_main
+from echo2.weights.chunks import ManifestRejected, make_manifest
+from echo2.weights.signing import ManifestSigner, ManifestVerifier
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from echo2.models.policy import load_policy
 from echo2.rl.grpo import grpo_loss
 from echo2.rl.logprobs import sequence_logprobs
 from echo2.tasks.base import load_task
-from echo2.transport.broadcast import flatten_tensors, unflatten
+from echo2.weights.chunks import flatten_tensors, unflatten
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from echo2.actor import JobConfig, Port, PortAddresses
+from echo2.actor import Port, PortAddresses
 from echo2.actors import ACTOR_KINDS, load_actor_class
 from echo2.actors.testing import CounterSink, CounterSource, Idle
 from echo2.errors import ConfigError
+from echo2.job import JobConfig
 from echo2.topology import (
     HostSpec,
     Placement,

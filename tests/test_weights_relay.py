@@ -13,19 +13,19 @@ import pytest
 
 from echo2.messages import Snapshot, WeightChunk
 from echo2.transport import Transport
-from echo2.transport.broadcast import (
-    SnapshotAssembler,
-    digest,
-    flatten_tensors,
-    make_manifest,
-)
-from echo2.transport.link import LinkSpec
-from echo2.transport.weights import (
+from echo2.weights import (
     NO_LINK,
     WeightBroadcaster,
     WeightReceiver,
     relay_plan,
 )
+from echo2.weights.chunks import (
+    SnapshotAssembler,
+    digest,
+    flatten_tensors,
+    make_manifest,
+)
+from echo2.weights.link import LinkSpec
 
 CHUNK = 64 * 1024
 
@@ -246,7 +246,7 @@ async def test_a_peer_holding_a_chunk_place_cannot_stall_the_version() -> None:
     place in the buffer; the stalled version drops it, and the repair lands."""
     import socket
 
-    from echo2.transport.chunkstream import HEADER, MAGIC, parse_address
+    from echo2.weights.stream import HEADER, MAGIC, parse_address
 
     def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
         return None if chunk.index == 0 else chunk  # chunk 0 only comes by repair
@@ -377,7 +377,8 @@ async def test_members_on_the_publishers_host_map_versions_from_shared_memory(tm
 
 
 async def test_a_corrupt_or_missing_shared_memory_version_is_repaired(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from echo2.transport import shm, weights
+    from echo2.weights import broadcaster, shm
+    from echo2.weights import receiver as receiver_module
 
     def write_then_flip(directory: str, name: str, data: np.ndarray) -> str:
         path = shm.write_snapshot(directory, name, data)
@@ -388,7 +389,7 @@ async def test_a_corrupt_or_missing_shared_memory_version_is_repaired(tmp_path, 
             f.write(bytes([byte[0] ^ 0xFF]))
         return path
 
-    monkeypatch.setattr(weights, "write_snapshot", write_then_flip)
+    monkeypatch.setattr(broadcaster, "write_snapshot", write_then_flip)
     async with harness(mode="relay", shm_dir=str(tmp_path)) as h:
         receiver = h.add("a", gap_timeout_s=0.2)
         await h.broadcaster.wait_members(1)
@@ -401,7 +402,7 @@ async def test_a_corrupt_or_missing_shared_memory_version_is_repaired(tmp_path, 
         def gone(path: str, nbytes: int) -> np.ndarray:
             raise FileNotFoundError(path)
 
-        monkeypatch.setattr(weights, "map_snapshot", gone)
+        monkeypatch.setattr(receiver_module, "map_snapshot", gone)
         snap = snapshot(2)
         h.broadcaster.publish_nowait(snap)
         await h.wait_complete(["a"], 2)

@@ -24,13 +24,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 import msgspec
 
 from echo2.errors import ConfigError
+from echo2.job import JobConfig
 from echo2.messages import Message
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import OnFull
@@ -62,42 +63,6 @@ class PortAddresses:
     """Bound for peers on other hosts with CURVE on: a CURVE server."""
     curve_servers: tuple[str, ...] = ()
     """Per connect URL: the host whose CURVE public key to pin ("" = plain)."""
-
-
-class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Settings several actors must agree on. One ``[job]`` table in the topology."""
-
-    staleness: int = msgspec.field(default=3)
-    """S: a group made by policy version v is trained at learner version t only if v >= t - S."""
-    task: str = "addition"
-    """Built-in task name or ``module:function`` returning a Task."""
-    task_kwargs: dict[str, Any] = {}
-    reward: str = ""
-    """Optional ``module:function`` reward overriding the task's own."""
-    group_size: int = 8
-    """G: completions sampled per prompt (one GRPO group)."""
-    groups_per_step: int = 16
-    """Prompts (groups) per learner update; R = groups_per_step * group_size rollouts."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-    model: str = ""
-    """Model directory; empty = the built-in warm-started tiny model."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.staleness < 0:
-            raise ValueError("staleness must be >= 0")
-        if self.group_size < 1:
-            raise ValueError("group_size must be >= 1")
-        if self.groups_per_step < 1:
-            raise ValueError("groups_per_step must be >= 1")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.temperature <= 0.0:
-            raise ValueError("temperature must be > 0")
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
 
 
 class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -284,3 +249,15 @@ def _rewrite_msgspec_error(message: str, path: str) -> str:
 
 def default_cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any, None]) -> None:
+    """Run an actor's concurrent loops until ``stopping`` is set, then cancel them.
+
+    One loop raising cancels the others and the error propagates (the actor fails).
+    """
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(loop) for loop in loops]
+        await stopping.wait()
+        for task in tasks:
+            task.cancel()

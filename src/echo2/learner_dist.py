@@ -1,8 +1,8 @@
 """The Learner across GPUs: data-parallel GRPO under ``torchrun`` (DDP; NCCL on GPUs, gloo on CPU).
 
-Layout: ``torchrun --nproc-per-node N -m echo2.learner_dist <echo2.runtime arguments>``.
+Layout: ``torchrun --nproc-per-node N -m echo2.learner_dist <echo2.launch.child arguments>``.
 
-- Rank 0 runs the learner's echo2 process as usual (``echo2.runtime``) with the actor kind
+- Rank 0 runs the learner's echo2 process as usual (``echo2.launch.child``) with the actor kind
   ``"echo2.learner_dist:DistributedLearner"``: it alone talks to the Buffer and the
   WeightPublisher, evaluates, logs and checkpoints.
 - Ranks 1..N-1 run :func:`follower_loop`: they receive the job and learner config from
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from echo2.actor import JobConfig
 from echo2.actors.learner import Learner, LearnerConfig
+from echo2.job import JobConfig
 from echo2.messages import ScoredGroup
 from echo2.transport.codec import Codec
 
@@ -183,12 +183,12 @@ def init_distributed(timeout_s: float = 1800.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """torchrun entry point: rank 0 runs ``echo2.runtime`` with ``argv``; the others follow."""
+    """torchrun entry point: rank 0 runs ``echo2.launch.child`` with ``argv``; the others follow."""
     argv = list(sys.argv[1:] if argv is None else argv)
     init_distributed()
     try:
         if dist.get_rank() == 0:
-            from echo2.runtime import main as runtime_main
+            from echo2.launch.child import main as runtime_main
 
             return runtime_main(argv)
         follower_loop()

@@ -18,6 +18,15 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
+# -- protocol constants ------------------------------------------------------------------
+
+TELEMETRY_CHANNEL = "telemetry"
+"""The channel every process publishes heartbeats on (PUB -> the SUB that binds it)."""
+HEARTBEAT_TOPIC = b"hb|"
+"""Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
+INSTALLED_TOPIC = b"installed|"
+"""Topic frame of ``WeightsInstalled`` on the telemetry channel."""
+
 
 class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
     """Base class of wire messages (not itself sent).
@@ -280,7 +289,7 @@ class WeightManifest(Message):
     published_at_s: float
     digest_algorithm: str = "sha256"
     signature: bytes = b""
-    """Ed25519 over ``echo2.transport.signing.signed_payload`` when signing is on."""
+    """Ed25519 over ``echo2.weights.signing.signed_payload`` when signing is on."""
 
 
 class WeightChunk(Message):

@@ -62,10 +62,10 @@ from echo2.actor import (
 )
 from echo2.actors import load_actor_class
 from echo2.errors import ConfigError
+from echo2.messages import TELEMETRY_CHANNEL
 
 log = logging.getLogger("echo2.topology")
 
-TELEMETRY_CHANNEL = "telemetry"
 IPC_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
 DEFAULT_HOST = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")

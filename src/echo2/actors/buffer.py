@@ -30,8 +30,7 @@ from typing import ClassVar
 
 import msgspec
 
-from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import (
     Batch,
     BatchRequest,

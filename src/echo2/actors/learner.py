@@ -42,9 +42,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import load_job_task
 from echo2.messages import Batch, BatchRequest, LearnerCheckpointed, ScoredGroup, Snapshot
-from echo2.transport.broadcast import flatten_tensors
+from echo2.tasks.base import load_job_task
+from echo2.weights.chunks import flatten_tensors
 
 
 class LearnerConfig(ActorConfig):

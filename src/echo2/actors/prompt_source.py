@@ -20,7 +20,7 @@ result can be trained any more: re-issue with ``attempt + 1``). A task is droppe
 ``max_attempts``. A sampler that disconnects simply stops being offered work; its leases
 expire.
 
-Activation (``echo2.actors.scheduler``): the PromptSource binds the ``telemetry`` channel
+Activation (``echo2.capacity.scheduler``): the PromptSource binds the ``telemetry`` channel
 and feeds the scheduler the heartbeats (sampler availability and price, the learner's
 T_train), ``WeightsInstalled`` (T_bcast) and the Buffer's per-sampler delivery counts. With
 ``activation = "cost_aware"`` or ``"random"`` only the active samplers are served leases; a
@@ -45,9 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import load_job_task, run_until_stopped
-from echo2.actors.scheduler import POLICIES, Scheduler, SchedulerDecision
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.capacity.scheduler import POLICIES, Scheduler, SchedulerDecision
 from echo2.messages import (
     PROTOCOL_VERSION,
     ExpireLease,
@@ -60,7 +59,7 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
-from echo2.tasks.base import Prompt
+from echo2.tasks.base import Prompt, load_job_task
 
 
 class PromptSourceConfig(ActorConfig):
@@ -76,7 +75,7 @@ class PromptSourceConfig(ActorConfig):
     """Stop after this many distinct tasks (0 = unlimited)."""
     activation: str = "all"
     """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
-    hysteresis) or "random" (the ablation). See ``echo2.actors.scheduler``."""
+    hysteresis) or "random" (the ablation). See ``echo2.capacity.scheduler``."""
     learner_price_per_hour: float = 0.0
     """Dollars per hour of the learner, for cost per step."""
     activation_interval_s: float = 1.0

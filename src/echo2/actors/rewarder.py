@@ -30,10 +30,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import load_job_task, run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import RolloutGroup, ScoredGroup
-from echo2.tasks.base import Prompt
+from echo2.tasks.base import Prompt, load_job_task
 
 
 class RewarderConfig(ActorConfig):

@@ -8,7 +8,7 @@ Input: ``tasks`` (DEALER, identity = actor name) — ``Welcome`` then ``TaskLeas
 PromptSource; ``weights`` (DEALER, identity = actor name) — ``RelayPlan``, ``WeightManifest``
 and repaired ``WeightChunk``s from the WeightPublisher, and a relay inbox (PULL, bound at an
 address announced to the publisher) for streamed chunks, which it forwards down its relay
-chain (``echo2.transport.weights.WeightReceiver``).
+chain (``echo2.weights.WeightReceiver``).
 Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInstalled`` to the
 WeightPublisher (T_bcast) and on telemetry.
 
@@ -34,11 +34,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import TransportError
 from echo2.messages import (
+    INSTALLED_TOPIC,
     Hello,
     LeaseRevoked,
     RolloutGroup,
@@ -47,11 +47,9 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
-from echo2.transport.broadcast import SnapshotAssembler
-from echo2.transport.link import LinkSpec
-from echo2.transport.weights import WeightReceiver
-
-INSTALLED_TOPIC = b"installed|"
+from echo2.weights import WeightReceiver
+from echo2.weights.chunks import SnapshotAssembler
+from echo2.weights.link import LinkSpec
 
 
 class SamplerConfig(ActorConfig):
@@ -84,7 +82,7 @@ class SamplerConfig(ActorConfig):
     host, its ``shm_dir``), versions are mapped from it and verified in place. "": off."""
     weights_data_plane: str = "stream"
     """Relay inbox over tcp: "stream" (chunks land in place in the assembly buffer,
-    ``echo2.transport.chunkstream``) or "zmq" (a ZeroMQ PULL)."""
+    ``echo2.weights.stream``) or "zmq" (a ZeroMQ PULL)."""
     gap_timeout_s: float = 2.0
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
@@ -379,6 +377,6 @@ def _to_group(
 def _manifest_verifier(public_key_path: str):  # type: ignore[no-untyped-def]
     if not public_key_path:
         return None
-    from echo2.transport.signing import ManifestVerifier
+    from echo2.weights.signing import ManifestVerifier
 
     return ManifestVerifier(public_key_path).verify

@@ -29,10 +29,10 @@ from typing import Annotated, ClassVar, TypeVar
 
 from msgspec import Meta
 
-from echo2.actor import Actor, ActorConfig, ActorContext, JobConfig, Port
+from echo2.actor import Actor, ActorConfig, ActorContext, Port
 from echo2.errors import EndOfStream
-from echo2.messages import Heartbeat, MetricsRecord
-from echo2.runtime import HEARTBEAT_TOPIC, TELEMETRY_CHANNEL
+from echo2.job import JobConfig
+from echo2.messages import HEARTBEAT_TOPIC, TELEMETRY_CHANNEL, Heartbeat, MetricsRecord
 
 T = TypeVar("T")
 

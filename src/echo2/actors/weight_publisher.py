@@ -1,6 +1,6 @@
 """WeightPublisher: disseminates the Learner's snapshots as verified chunks, relayed by peers.
 
-Role: dissemination (``echo2.transport.weights.WeightBroadcaster`` does the work). For each
+Role: dissemination (``echo2.weights.WeightBroadcaster`` does the work). For each
 ``Snapshot`` it builds a ``WeightManifest`` (layout, a BLAKE3 digest per chunk and for
 the whole) in a worker thread, computes a ``RelayPlan`` from the live samplers (those whose
 ``WeightSubscribe`` lease is fresh), sends each the plan and the manifest, and streams the
@@ -34,12 +34,11 @@ import asyncio
 import math
 from typing import ClassVar
 
-from echo2.actor import Actor, ActorConfig, Port
-from echo2.actors.common import run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import Snapshot
-from echo2.transport.broadcast import DEFAULT_CHUNK_BYTES, make_manifest
-from echo2.transport.link import LinkSpec
-from echo2.transport.weights import GAMMA, WeightBroadcaster
+from echo2.weights import GAMMA, WeightBroadcaster
+from echo2.weights.chunks import DEFAULT_CHUNK_BYTES, make_manifest
+from echo2.weights.link import LinkSpec
 
 
 class WeightPublisherConfig(ActorConfig):
@@ -90,7 +89,7 @@ class WeightPublisher(Actor):
         await super().setup(ctx)
         self._signer = None
         if self.config.signing_key:
-            from echo2.transport.signing import ManifestSigner
+            from echo2.weights.signing import ManifestSigner
 
             self._signer = ManifestSigner(self.config.signing_key)
         self._snapshots = ctx.open("snapshots")

@@ -14,7 +14,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from echo2.job import JobConfig
 
 RewardFn = Callable[["Prompt", str], float]
 
@@ -134,3 +137,9 @@ class _RewardOverride:
 def with_reward(task: Task, reward_fn: RewardFn | None) -> Task:
     """``task`` with its reward replaced by ``reward_fn`` (unchanged when None)."""
     return task if reward_fn is None else _RewardOverride(task, reward_fn)
+
+
+def load_job_task(job: JobConfig) -> Task:
+    """The job's task, with its reward replaced when ``job.reward`` names one."""
+    task = load_task(job.task, **job.task_kwargs)
+    return with_reward(task, load_reward(job.reward) if job.reward else None)

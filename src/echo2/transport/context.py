@@ -83,9 +83,10 @@ class Transport:
             cls = ENDPOINT_CLASSES[kind]
         except KeyError:
             raise TransportError(f"unknown socket kind {kind!r}") from None
+        options = options or SocketOptions()
         socket = self._context.socket(cls.socket_type)
         try:
-            _apply_options(socket, cls.socket_type, options or SocketOptions(), identity)
+            _apply_options(socket, cls.socket_type, options, identity)
             endpoint = cls(
                 socket,
                 name=name,

@@ -7,7 +7,7 @@ that may receive leases. Everything else is parked: a parked sampler gets no new
 (its credits are kept, not served) and keeps installing weights, so it can be activated
 again at once.
 
-Measured figures (``echo2.rl.capacity`` has the formulas):
+Measured figures (``echo2.capacity.model`` has the formulas):
 
 * ``T_train``: the Learner's ``train_s_mean`` (heartbeat stats), unless declared.
 * ``kappa``: the Learner's ``kappa`` (heartbeat stats), else ``max(1, S - 1)``.
@@ -50,7 +50,7 @@ import statistics as stats_mod
 from collections import deque
 from dataclasses import dataclass, field
 
-from echo2.rl.capacity import ActivationController, Worker, cost_per_step, mu_min, mu_target, staleness_bound
+from echo2.capacity.model import ActivationController, Worker, cost_per_step, mu_min, mu_target, staleness_bound
 
 POLICIES = ("all", "cost_aware", "random")
 YIELD_LAG_S = 5.0

@@ -9,7 +9,7 @@
 * The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
   (what every process reads), ``logs/<process>.log``, ``pids.json`` (launcher and children)
   and, at the end, ``status.json``. ``--run-dir`` replaces ``run.run_dir`` (the parent).
-* Each process of this host runs ``python -m echo2.runtime --topology ... --process NAME`` in
+* Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
   its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
 * Exit codes: 0 when the run completed (a ``completes_run`` actor's process exited 0, every
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
-            from echo2.report import write_report
+            from echo2.tools.report import write_report
 
             write_report(run_dir)
         except Exception as exc:
@@ -355,7 +355,7 @@ class Launcher:
             child.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "echo2.runtime",
+                "echo2.launch.child",
                 "--topology",
                 str(self.resolved_path),
                 "--process",

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from echo2.errors import ConfigError
 from echo2.messages import WeightManifest
-from echo2.transport.broadcast import ManifestRejected
+from echo2.weights.chunks import ManifestRejected
 
 
 def signed_payload(manifest: WeightManifest) -> bytes:

@@ -1,0 +1,2 @@
+"""Capacity: the provisioning model of the paper (``model``) and the activation scheduler the
+PromptSource runs on live measurements (``scheduler``)."""

@@ -1,0 +1,43 @@
+"""The job: settings every actor of a run must agree on (one ``[job]`` table in the topology)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Settings several actors must agree on. One ``[job]`` table in the topology."""
+
+    staleness: int = 3
+    """S: a group made by policy version v is trained at learner version t only if v >= t - S."""
+    task: str = "addition"
+    """Built-in task name or ``module:function`` returning a Task."""
+    task_kwargs: dict[str, Any] = {}
+    reward: str = ""
+    """Optional ``module:function`` reward overriding the task's own."""
+    group_size: int = 8
+    """G: completions sampled per prompt (one GRPO group)."""
+    groups_per_step: int = 16
+    """Prompts (groups) per learner update; R = groups_per_step * group_size rollouts."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    model: str = ""
+    """Model directory; empty = the built-in warm-started tiny model."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise ValueError("staleness must be >= 0")
+        if self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
+        if self.groups_per_step < 1:
+            raise ValueError("groups_per_step must be >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.temperature <= 0.0:
+            raise ValueError("temperature must be > 0")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")

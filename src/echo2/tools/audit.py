@@ -1,0 +1,198 @@
+"""Reconcile a run's ledgers: was every rollout trained exactly once or dropped for a reason?
+
+    python -m echo2.audit RUN_DIR [RUN_DIR ...] [--json]
+
+Several run directories (one per host of a multi-host run) are merged. Reads
+``ledger/*.jsonl`` (written by the actors through ``ActorContext.ledger``) and the budget
+``S`` from ``topology.resolved.json``. Exit status 0 when the accounting holds, 1 on any
+violation, 2 when a directory holds no ledger.
+
+Per task (one prompt's group), the Buffer decides exactly once: ``accepted`` or
+``rejected`` (late, duplicate, stale on arrival, reward failure). An accepted group then
+ends as exactly one of: ``trained`` (by the Learner), ``dropped`` (stale while waiting,
+overflow), ``unconsumed`` (still stored when the run ended) or handed to the learner in the
+batch it had requested when the run ended (in flight at shutdown).
+
+A resumed learner (``--resume``) logs where it restarted; trainings of the crashed
+incarnation after that point are void (``voided_by_resume``) and must happen again.
+
+Violations:
+  lost            accepted, and none of the above
+  duplicated      trained more than once
+  unexpected      trained, but never leased
+  stale_trained   trained at learner version t from policy version v < t - S
+  late_accepted   accepted on a lease the Buffer had already declared expired
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "late_accepted")
+
+
+@dataclass
+class AuditReport:
+    leased_tasks: int = 0
+    leases_issued: int = 0
+    accepted: int = 0
+    trained: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+    unconsumed: int = 0
+    in_flight_at_end: int = 0
+    abandoned: int = 0
+    voided_by_resume: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    stale_trained: list[str] = field(default_factory=list)
+    late_accepted: list[str] = field(default_factory=list)
+    staleness_budget: int | None = None
+    identity_holds: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.identity_holds and not any(getattr(self, name) for name in VIOLATIONS)
+
+
+def read_events(run_dirs: Sequence[Path]) -> Iterator[dict[str, Any]]:
+    for run_dir in run_dirs:
+        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
+            with open(path, encoding="utf-8") as lines:
+                for line in lines:
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by SIGKILL
+                    if isinstance(event, dict) and "ev" in event:
+                        yield event
+
+
+def _budget(run_dirs: Sequence[Path]) -> int | None:
+    for run_dir in run_dirs:
+        path = run_dir / "topology.resolved.json"
+        if path.exists():
+            return int(json.loads(path.read_text())["job"]["staleness"])
+    return None
+
+
+def audit(run_dirs: Sequence[Path]) -> AuditReport:
+    report = AuditReport(staleness_budget=_budget(run_dirs))
+    leased: set[str] = set()
+    accepted: dict[str, int] = {}  # task -> lease
+    expired_leases: set[int] = set()
+    trained: Counter[str] = Counter()
+    dropped: dict[str, str] = {}
+    unconsumed: set[str] = set()
+    handed: dict[str, int] = {}  # task -> request version
+    last_trained_version = -1
+    rejected: Counter[str] = Counter()
+    drop_reasons: Counter[str] = Counter()
+    accepted_order: list[tuple[str, int]] = []
+    # A resumed learner restarts from a checkpoint: what an older incarnation trained after
+    # that point died with it (the Buffer requeues those groups), so it does not count.
+    void_from = {
+        int(e["previous_incarnation"]): int(e["from_version"]) for e in read_events(run_dirs) if e["ev"] == "resumed"
+    }
+
+    for e in read_events(run_dirs):
+        ev, task = e["ev"], e.get("task")
+        if ev == "leased":
+            leased.add(task)
+            report.leases_issued += 1
+        elif ev == "accepted":
+            accepted[task] = e["lease"]
+            accepted_order.append((task, e["lease"]))
+        elif ev == "rejected":
+            rejected[str(e.get("reason", "?"))] += 1
+        elif ev == "lease_expired":
+            expired_leases.add(e["lease"])
+        elif ev == "dropped":
+            dropped[task] = e.get("reason", "?")
+            drop_reasons[dropped[task]] += 1
+        elif ev == "unconsumed":
+            unconsumed.add(task)
+        elif ev == "handed":
+            handed[task] = int(e.get("request_version", -1))
+        elif ev == "trained":
+            incarnation = int(e.get("incarnation", 0))
+            if incarnation in void_from and int(e["learner_version"]) >= void_from[incarnation]:
+                report.voided_by_resume += 1
+                continue
+            trained[task] += 1
+            last_trained_version = max(last_trained_version, int(e["learner_version"]))
+            budget = report.staleness_budget
+            if budget is not None and int(e["learner_version"]) - int(e["version"]) > budget:
+                report.stale_trained.append(task)
+        elif ev == "task_abandoned":
+            report.abandoned += 1
+
+    report.leased_tasks = len(leased)
+    report.accepted = len(accepted)
+    report.trained = sum(trained.values())
+    report.rejected = dict(rejected)
+    report.dropped = dict(drop_reasons)
+    report.unconsumed = len(unconsumed - set(trained) - set(dropped))
+    report.duplicated = sorted(t for t, n in trained.items() if n > 1)
+    report.unexpected = sorted(t for t in trained if t not in leased)
+    # The Buffer decides each lease once, so a lease both accepted and expired is a bug.
+    report.late_accepted = sorted(t for t, lease in accepted_order if lease in expired_leases)
+    # Each accepted task ends in one state; later ones win (a group left unconsumed at the
+    # end of a run may be trained after --resume).
+    for task in accepted:
+        if task in trained or task in dropped or task in unconsumed:
+            continue
+        if task in handed and handed[task] > last_trained_version:
+            report.in_flight_at_end += 1
+            continue
+        report.lost.append(task)
+    report.lost.sort()
+    # A group dropped must never have been trained as well.
+    report.identity_holds = not (set(trained) & set(dropped))
+    return report
+
+
+def _summary_lines(report: AuditReport) -> list[str]:
+    lines = [
+        f"tasks leased {report.leased_tasks} ({report.leases_issued} leases), accepted {report.accepted}, "
+        f"trained {report.trained}",
+        f"rejected on arrival: {report.rejected or 'none'}",
+        f"dropped after acceptance: {report.dropped or 'none'}",
+        f"unconsumed at end {report.unconsumed}, in flight at end {report.in_flight_at_end}, "
+        f"abandoned tasks {report.abandoned}",
+    ]
+    for name in VIOLATIONS:
+        items = getattr(report, name)
+        lines.append(f"{name}: {len(items)}" + (f" (e.g. {', '.join(items[:5])})" if items else ""))
+    lines.append("accounting identity: " + ("holds" if report.identity_holds else "VIOLATED"))
+    lines.append("audit: OK" if report.ok else "audit: FAILED")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m echo2.audit", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    for run_dir in args.run_dirs:
+        if not (run_dir / "ledger").is_dir():
+            print(f"echo2.audit: {run_dir}: no ledger/ directory (not a run dir?)", file=sys.stderr)
+            return 2
+    report = audit(args.run_dirs)
+    if args.json:
+        print(json.dumps(asdict(report) | {"ok": report.ok}, indent=2))
+    else:
+        print("\n".join(_summary_lines(report)))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Weight dissemination: verified chunks, peer-assisted pipelined relay, repair.
+
+The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
+(relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
+``stream`` (chunk streams: bytes straight into place), ``shm`` (shared memory on one host),
+``signing`` (Ed25519 manifests), ``link`` (link emulation: caps and latency).
+
+Two components on top of the pure chunk layer (``echo2.weights.chunks``):
+
+* ``WeightBroadcaster`` (publisher side, owns the ``weights`` ROUTER). Samplers lease
+  membership with ``WeightSubscribe`` (repeated every ``announce_s``, naming the address of
+  their relay inbox). Per version it computes a ``RelayPlan`` from the live members
+  (``relay_plan``: star, relay chain or striped chains), sends each member the plan and
+  then the ``WeightManifest`` over the ROUTER (ordered, never dropped: ROUTER_MANDATORY
+  counts a gone peer as unroutable), and streams each chunk to the seed of its stripe
+  through a PUSH connected to the seed's inbox. It answers ``ChunkRequest`` (repair) with
+  chunks over the ROUTER, sends the latest manifest to a member that joins late, and
+  measures T_bcast from the members' ``WeightsInstalled`` (sent on the same reliable
+  channel, not on lossy telemetry).
+* ``WeightReceiver`` (sampler side). It binds a relay inbox (over tcp a chunk stream,
+  ``echo2.weights.stream``, whose bytes land straight in the assembly buffer; else,
+  or with ``data_plane="zmq"``, a ZeroMQ PULL), assembles a version into memory
+  allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
+  worker thread: hashing releases the GIL), forwards every verified chunk of the stripes
+  it relays to its successor the moment it lands (a PUSH per successor), and hands a
+  complete, verified version to ``on_complete``. Gap detection: when a version makes no
+  progress for ``gap_timeout_s`` the missing chunks are requested from the publisher
+  (dropped, corrupt, or a dead predecessor in the chain: all end the same way). Repaired
+  chunks are forwarded too, so a chain heals behind a dead relay.
+
+Nothing is lost silently: PUSH and ROUTER sends block at the high-water mark instead of
+dropping, a send that cannot complete within ``send_timeout_s`` (dead peer) is counted and
+that peer skipped for the version, and every gap ends in a repair.
+
+Shared memory (optional, ``shm_dir`` on both sides): members on the publisher's host map
+each version from a file the publisher writes once (``echo2.weights.shm``) and verify it
+in place; they take no part in relay chains.
+
+Link emulation (``LinkSpec``): the publisher's uplink, and each receiver's uplink and
+downlink, pace every byte on the weight path (chunks streamed, forwarded and repaired);
+``latency_ms`` delays each chunk a receiver takes in, pipelined.
+
+Buffers: chunks are views into the snapshot (publisher), into received ZeroMQ frames, or
+into verified regions of the assembly buffer (relays); none is ever written again, so a
+buffer ZeroMQ or the kernel still holds is never mutated.
+Deviation: repair is served by the publisher only, not by peers (the publisher holds
+every chunk of the latest version; peers would spread the repair load).
+"""
+
+from echo2.weights.broadcaster import WeightBroadcaster
+from echo2.weights.plan import (
+    DATA_PLANES,
+    GAMMA,
+    MODES,
+    NO_LINK,
+    announce_url,
+    bcast_threshold,
+    relay_bind_url,
+    relay_plan,
+)
+from echo2.weights.receiver import WeightReceiver
+
+__all__ = [
+    "DATA_PLANES",
+    "GAMMA",
+    "MODES",
+    "NO_LINK",
+    "WeightBroadcaster",
+    "WeightReceiver",
+    "announce_url",
+    "bcast_threshold",
+    "relay_bind_url",
+    "relay_plan",
+]

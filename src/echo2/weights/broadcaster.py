@@ -1,0 +1,456 @@
+"""Publisher side of weight dissemination: membership, relay plans, streaming, repair, T_bcast.
+
+See ``echo2.weights`` for the whole path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from echo2.errors import ClosedError, TransportError
+from echo2.messages import (
+    ChunkRequest,
+    RelayChain,
+    RelayPlan,
+    Snapshot,
+    WeightChunk,
+    WeightManifest,
+    WeightShm,
+    WeightsInstalled,
+    WeightSubscribe,
+)
+from echo2.transport.context import Transport
+from echo2.transport.endpoint import (
+    RouterEndpoint,
+)
+from echo2.weights.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    iter_chunks,
+    make_manifest,
+)
+from echo2.weights.link import LinkSpec
+from echo2.weights.plan import (
+    GAMMA,
+    MODES,
+    NO_LINK,
+    ChunkSender,
+    Key,
+    bcast_threshold,
+    chunk_sender,
+    relay_plan,
+)
+from echo2.weights.shm import shm_identity, write_snapshot
+
+log = logging.getLogger(__name__)
+
+# -- broadcaster -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Member:
+    peer: bytes
+    address: str
+    last_seen_s: float
+    manifest_sent_s: float = 0.0
+    installed: Key = (-1, -1)
+    shm_id: str = ""
+
+
+@dataclasses.dataclass
+class _Version:
+    snapshot: Snapshot
+    manifest: WeightManifest
+    published_s: float = 0.0
+    active: frozenset[str] = frozenset()
+    installed: set[str] = dataclasses.field(default_factory=set)
+    t_bcast_s: float | None = None
+    shm_path: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.manifest.incarnation, self.manifest.version)
+
+
+Fault = Callable[[str, WeightChunk], WeightChunk | None]
+"""Test hook on the stream: (destination, chunk) -> chunk to send (maybe altered) or None."""
+
+
+class WeightBroadcaster:
+    """Publisher side: membership, relay plans, streaming to seeds, repair, T_bcast."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        control: RouterEndpoint,
+        *,
+        name: str = "weight_publisher",
+        mode: str = "relay",
+        stripes: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        link: LinkSpec = NO_LINK,
+        member_ttl_s: float = 5.0,
+        send_timeout_s: float = 5.0,
+        gamma: float = GAMMA,
+        fault: Fault | None = None,
+        on_bcast: Callable[[dict[str, Any]], None] | None = None,
+        shm_dir: str | None = None,
+    ) -> None:
+        """``shm_dir``: where versions for members sharing this host are written (None:
+        never; every member then gets chunks)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.name = name
+        self.mode = mode
+        self.stripes = stripes
+        self.chunk_bytes = chunk_bytes
+        self.link = link
+        self.member_ttl_s = member_ttl_s
+        self.send_timeout_s = send_timeout_s
+        self.gamma = gamma
+        self._transport = transport
+        self._control = control
+        self._fault = fault
+        self._on_bcast = on_bcast
+        self._uplink = link.uplink(chunk_bytes)
+        self._members: dict[str, _Member] = {}
+        self._latest: _Version | None = None
+        self._pending: _Version | None = None
+        self._new = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
+        self._pushes: dict[str, ChunkSender] = {}
+        self.shm_dir = shm_dir
+        self.shm_id = shm_identity(shm_dir)
+        self._shm_files: list[str] = []
+        self.t_bcast: dict[Key, float] = {}
+        self.last_t_bcast_s = float("nan")
+        self.counters = dict.fromkeys(
+            (
+                "published",
+                "superseded",
+                "chunks_sent",
+                "stream_bytes",
+                "send_failures",
+                "repair_requests",
+                "repair_chunks_sent",
+                "late_joiner_manifests",
+                "unroutable",
+                "members_expired",
+                "installs",
+                "shm_versions_written",
+                "shm_failures",
+            ),
+            0,
+        )
+
+    # -- API -------------------------------------------------------------------------
+
+    def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
+        """Make ``snapshot`` the latest version and start streaming it (the previous
+        stream, if still running, stops: only the newest version matters)."""
+        if manifest is None:
+            manifest = make_manifest(snapshot, self.chunk_bytes)
+        self._pending = _Version(snapshot, manifest)
+        self._new.set()
+
+    def members(self) -> list[str]:
+        now = time.monotonic()
+        for name in [n for n, m in self._members.items() if now - m.last_seen_s > self.member_ttl_s]:
+            del self._members[name]
+            self.counters["members_expired"] += 1
+        return list(self._members)
+
+    async def wait_members(self, count: int) -> list[str]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self._members) >= count)
+        return self.members()
+
+    async def wait_bcast(self, key: Key) -> float:
+        async with self._changed:
+            await self._changed.wait_for(lambda: key in self.t_bcast)
+        return self.t_bcast[key]
+
+    async def wait_installed(self, key: Key, count: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count)
+
+    @property
+    def latest_key(self) -> Key | None:
+        return self._latest.key if self._latest is not None else None
+
+    def statistics(self) -> dict[str, float]:
+        return {
+            **self.counters,
+            "members": len(self._members),
+            "t_bcast_s": self.last_t_bcast_s,
+            "uplink_bytes": self._uplink.bytes,
+        }
+
+    def close(self) -> None:
+        for push in self._pushes.values():
+            push.close()
+        self._pushes.clear()
+        self._drop_shm_files(keep=0)
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._control_loop())
+            group.create_task(self._repair_loop())
+            group.create_task(self._stream_driver(group))
+
+    # -- control ---------------------------------------------------------------------
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _control_loop(self) -> None:
+        while True:
+            for peer, message in await self._control.recv_many():
+                if isinstance(message, WeightSubscribe):
+                    await self._on_subscribe(peer, message)
+                elif isinstance(message, ChunkRequest):
+                    self.counters["repair_requests"] += 1
+                    self._repairs.put_nowait((peer, message))
+                elif isinstance(message, WeightsInstalled):
+                    self._on_installed(message)
+            await self._notify()
+
+    async def _on_subscribe(self, peer: bytes, message: WeightSubscribe) -> None:
+        now = time.monotonic()
+        member = self._members.get(message.sampler_id)
+        joined = member is None
+        restarted = member is not None and (member.address != message.relay_address or member.peer != peer)
+        if member is None or restarted:
+            member = _Member(peer, message.relay_address, now)
+            self._members[message.sampler_id] = member
+        member.last_seen_s = now
+        member.shm_id = message.shm_id
+        member.installed = max(member.installed, (message.incarnation, message.installed_version))
+        latest = self._latest
+        if latest is None or member.installed >= latest.key:
+            return
+        in_stream = message.sampler_id in latest.active
+        overdue = now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
+        if (joined and not in_stream) or restarted or overdue:
+            # Late joiner (or a member that lost track): the latest version at once.
+            member.manifest_sent_s = now
+            self.counters["late_joiner_manifests"] += 1
+            if self._is_local(member):
+                await self._send_local(member, latest)
+            else:
+                await self._send(peer, latest.manifest)
+
+    def _on_installed(self, message: WeightsInstalled) -> None:
+        key = (message.incarnation, message.version)
+        self.counters["installs"] += 1
+        member = self._members.get(message.sampler_id)
+        if member is not None:
+            member.installed = max(member.installed, key)
+        version = self._latest
+        if version is None or version.key != key:
+            return
+        version.installed.add(message.sampler_id)
+        done = len(version.installed & version.active)
+        need = bcast_threshold(len(version.active), self.gamma)
+        if version.t_bcast_s is None and version.active and done >= need:
+            version.t_bcast_s = time.monotonic() - version.published_s
+            self.t_bcast[key] = version.t_bcast_s
+            self.last_t_bcast_s = version.t_bcast_s
+            if self._on_bcast is not None:
+                self._on_bcast(
+                    {
+                        "incarnation": key[0],
+                        "version": key[1],
+                        "t_bcast_s": version.t_bcast_s,
+                        "installed": done,
+                        "active": len(version.active),
+                        "mode": self.mode,
+                        "bytes": version.manifest.total_bytes,
+                    }
+                )
+
+    async def _send(self, peer: bytes, message: Any) -> bool:
+        try:
+            # asyncio.timeout, never wait_for: on 3.11 wait_for can return the send's result
+            # and drop a cancellation that arrived at the same moment, leaving a loop that
+            # was told to stop running forever (seen as a hung shutdown).
+            async with asyncio.timeout(self.send_timeout_s):
+                ok = await self._control.send(peer, message)
+        except TimeoutError:
+            ok = False
+        if not ok:
+            self.counters["unroutable"] += 1
+        return ok
+
+    # -- streaming -------------------------------------------------------------------
+
+    async def _stream_driver(self, group: asyncio.TaskGroup) -> None:
+        current: asyncio.Task[None] | None = None
+        while True:
+            await self._new.wait()
+            self._new.clear()
+            version, self._pending = self._pending, None
+            if version is None:
+                continue
+            if current is not None and not current.done():
+                current.cancel()
+                self.counters["superseded"] += 1
+                await asyncio.wait([current])  # our own cancellation still propagates
+            current = group.create_task(self._stream(version))
+
+    def _is_local(self, member: _Member) -> bool:
+        return bool(self.shm_id) and member.shm_id == self.shm_id
+
+    async def _shm_path(self, version: _Version) -> str | None:
+        """The file holding ``version`` in shared memory, written on first need; None if
+        it cannot be written (members then get chunks instead)."""
+        if version.shm_path is None and self.shm_dir is not None:
+            name = f"echo2-weights-{os.getpid()}-{os.urandom(4).hex()}-{version.key[0]}-{version.key[1]}"
+            # Listed before it exists, so that it is removed even if this stream is
+            # superseded (cancelled) while the write goes on in its thread.
+            self._shm_files.append(os.path.join(self.shm_dir, name))
+            try:
+                path = await asyncio.to_thread(write_snapshot, self.shm_dir, name, version.snapshot.data)
+            except OSError as exc:
+                self.counters["shm_failures"] += 1
+                log.warning(
+                    "%s: cannot write v%d to %s (%s); repairing instead", self.name, version.key[1], self.shm_dir, exc
+                )
+                return None
+            version.shm_path = path
+            self.counters["shm_versions_written"] += 1
+            self._drop_shm_files(keep=1)
+        return version.shm_path
+
+    def _drop_shm_files(self, keep: int) -> None:
+        """Unlink all but the newest ``keep`` files (members that mapped one keep it)."""
+        while len(self._shm_files) > keep:
+            path = self._shm_files.pop(0)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # removed from outside; nothing left to free
+
+    async def _stream(self, version: _Version) -> None:
+        names = sorted(self.members())
+        version.active = frozenset(names)
+        version.published_s = time.monotonic()
+        self._latest = version
+        self.counters["published"] += 1
+        # Members sharing this host map the version from shared memory (written while the
+        # others' stream starts); the plan covers the others.
+        local = [n for n in names if self._is_local(self._members[n])]
+        remote = [n for n in names if n not in local]
+        stripes, chains = relay_plan(remote, self.mode, self.stripes)
+        addresses = {n: self._members[n].address for n in remote}
+        plan = RelayPlan(
+            incarnation=version.key[0],
+            version=version.key[1],
+            stripes=stripes,
+            chains=chains,
+            addresses=addresses,
+        )
+        for name in remote:
+            member = self._members[name]
+            member.manifest_sent_s = version.published_s
+            if await self._send(member.peer, plan):
+                await self._send(member.peer, version.manifest)
+        if local:
+            await asyncio.gather(
+                self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses)
+            )
+        else:
+            await self._stream_chunks(version, stripes, chains, addresses)
+
+    async def _offer_shm(self, version: _Version, names: list[str]) -> None:
+        for name in names:
+            member = self._members.get(name)
+            if member is not None:
+                member.manifest_sent_s = version.published_s
+                await self._send_local(member, version)
+
+    async def _send_local(self, member: _Member, version: _Version) -> None:
+        """``WeightShm``, then the manifest, to a member on this host. If the version
+        cannot be put in shared memory the manifest goes alone: the member, in no chain,
+        then repairs the version from the publisher."""
+        path = await self._shm_path(version)
+        offer = WeightShm(incarnation=version.key[0], version=version.key[1], path=path) if path else None
+        if offer is None or await self._send(member.peer, offer):
+            await self._send(member.peer, version.manifest)
+
+    async def _stream_chunks(
+        self, version: _Version, stripes: int, chains: list[RelayChain], addresses: dict[str, str]
+    ) -> None:
+        seeds: dict[int, list[str]] = {}
+        for chain in chains:
+            seeds.setdefault(chain.stripe, []).append(chain.members[0])
+        dead: set[str] = set()
+        for chunk in iter_chunks(version.snapshot, version.manifest):
+            for seed in seeds.get(chunk.index % stripes, ()):
+                if seed in dead:
+                    continue
+                out: WeightChunk | None = chunk
+                if self._fault is not None:
+                    out = self._fault(seed, chunk)
+                    if out is None:
+                        continue
+                if not await self._push_chunk(addresses[seed], out):
+                    dead.add(seed)
+
+    async def _push_chunk(self, address: str, chunk: WeightChunk) -> bool:
+        await self._uplink.acquire(chunk.data.nbytes)
+        push = self._pushes.get(address)
+        if push is None or push.closed:
+            push = chunk_sender(self._transport, f"{self.name}.seed", address, self.chunk_bytes)
+            self._pushes[address] = push
+        try:
+            async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for
+                sent = await push.send(chunk)
+        except (TimeoutError, ClosedError, TransportError):
+            sent = False
+        if sent:
+            self.counters["chunks_sent"] += 1
+            self.counters["stream_bytes"] += chunk.data.nbytes
+            return True
+        self.counters["send_failures"] += 1
+        self._pushes.pop(address, None)
+        push.close()
+        return False
+
+    # -- repair ----------------------------------------------------------------------
+
+    async def _repair_loop(self) -> None:
+        while True:
+            peer, request = await self._repairs.get()
+            version = self._latest
+            if version is None:
+                continue
+            if (request.incarnation, request.version) != version.key:
+                if (request.incarnation, request.version) < version.key:
+                    await self._send(peer, version.manifest)  # move on to the latest
+                continue
+            data = version.snapshot.data
+            n = len(version.manifest.chunk_digests)
+            size = version.manifest.chunk_bytes
+            for index in request.indices:
+                if not 0 <= index < n:
+                    continue
+                if self._latest is not version:
+                    break
+                chunk = WeightChunk(
+                    incarnation=version.key[0],
+                    version=version.key[1],
+                    index=index,
+                    data=data[index * size : (index + 1) * size],
+                )
+                await self._uplink.acquire(chunk.data.nbytes)
+                if not await self._send(peer, chunk):
+                    break
+                self.counters["repair_chunks_sent"] += 1
