@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from echo2.errors import ResolveError
 
@@ -24,10 +24,13 @@ EngineKind = Literal["torch", "simulated", "hf", "vllm"]
 """``SamplerConfig.engine``: the engines ``ENGINES`` names (a test keeps the two equal)."""
 
 
-class Registry:
+Name = TypeVar("Name", bound=str)
+
+
+class Registry(Generic[Name]):
     """Names of one kind of object, each mapped to an import path, resolved on use."""
 
-    def __init__(self, what: str, entries: Mapping[str, str], *, path_form: str | None) -> None:
+    def __init__(self, what: str, entries: Mapping[Name, str], *, path_form: str | None) -> None:
         self.what = what
         """What a name names, for error messages: ``"kind"``, ``"engine"``, ``"task"``."""
         self.entries = dict(entries)
@@ -35,10 +38,10 @@ class Registry:
         """How an import path in place of a name looks (``"package.module:Class"``), or
         None when only registered names are allowed."""
 
-    def names(self) -> list[str]:
+    def names(self) -> list[Name]:
         return sorted(self.entries)
 
-    def target(self, name: str) -> str:
+    def target(self, name: Name) -> str:
         """The import path ``name`` stands for; ``ResolveError`` if it is neither a name nor a path."""
         target = self.entries.get(name)
         if target is not None:
@@ -50,7 +53,7 @@ class Registry:
         alternative = f"; or '{self.path_form}'" if self.path_form else ""
         raise ResolveError(f"unknown {self.what} {name!r} (known: {known}{alternative})")
 
-    def resolve(self, name: str, accept: Callable[[Any], bool], expected: str) -> Any:
+    def resolve(self, name: Name, accept: Callable[[Any], bool], expected: str) -> Any:
         """Import the object ``name`` stands for and check it with ``accept``.
 
         Raises ``ResolveError`` (one line, without a field path: the caller adds it) when the
@@ -77,7 +80,7 @@ def import_object(target: str) -> Any:
     return obj
 
 
-ACTORS = Registry(
+ACTORS: Registry[str] = Registry(
     "kind",
     {
         # the RL pipeline
@@ -98,16 +101,19 @@ ACTORS = Registry(
 )
 """``[actors.NAME] kind``: a registered name or the import path of an ``Actor`` subclass."""
 
-_ENGINE_ENTRIES: dict[EngineKind, str] = {
-    "torch": "echo2.engines.torch_engine:TorchEngine",
-    "simulated": "echo2.engines.simulated:SimulatedEngine",
-    "hf": "echo2.engines.hf_engine:HFTorchEngine",
-    "vllm": "echo2.engines.vllm_engine:VLLMEngine",
-}
-ENGINES = Registry("engine", _ENGINE_ENTRIES, path_form=None)
+ENGINES: Registry[EngineKind] = Registry(
+    "engine",
+    {
+        "torch": "echo2.engines.torch_engine:TorchEngine",
+        "simulated": "echo2.engines.simulated:SimulatedEngine",
+        "hf": "echo2.engines.hf_engine:HFTorchEngine",
+        "vllm": "echo2.engines.vllm_engine:VLLMEngine",
+    },
+    path_form=None,
+)
 """``SamplerConfig.engine``: registered names only (``EngineKind``)."""
 
-TASKS = Registry(
+TASKS: Registry[str] = Registry(
     "task",
     {
         "addition": "echo2.tasks.addition:AdditionTask",
@@ -118,7 +124,7 @@ TASKS = Registry(
 )
 """``job.task``: a built-in task or the import path of a class or function returning a Task."""
 
-REWARDS = Registry("reward", {}, path_form="package.module:function")
+REWARDS: Registry[str] = Registry("reward", {}, path_form="package.module:function")
 """``job.reward``: the import path of a function ``(prompt, completion) -> float``."""
 
 
