@@ -1,4 +1,4 @@
-"""Topology: schema, one-line validation errors, overrides, placement, addresses, threads."""
+"""Topology: schema, one-line validation errors, overrides, placement, addresses, threads, resolution."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from echo2.actor import Port, PortAddresses
-from echo2.actors import ACTOR_KINDS, load_actor_class
+from echo2.actors import load_actor_class
 from echo2.actors.testing import CounterSink, CounterSource, Idle
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
@@ -26,8 +26,6 @@ from echo2.topology import (
     torch_threads,
     validate,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SMOKE = """
 [run]
@@ -71,20 +69,7 @@ def counters(**extra: Any) -> dict[str, Any]:
     return raw
 
 
-# -- valid examples ----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
-def test_examples_parse(path: Path) -> None:
-    # Only kinds whose module exists can be imported; skip examples that need the RL actors.
-    import importlib.util
-
-    text = path.read_text()
-    for kind, target in ACTOR_KINDS.items():
-        if f'"{kind}"' in text and importlib.util.find_spec(target.partition(":")[0]) is None:
-            pytest.skip(f"{path.name} needs {target}, not written yet")
-    topology = load_topology(path)
-    assert topology.actors
+# -- valid topologies (every example: tests/test_config.py) -----------------------------
 
 
 def test_smoke_topology_defaults_and_placement(tmp_path: Path) -> None:

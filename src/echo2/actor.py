@@ -30,11 +30,12 @@ from typing import Any, ClassVar, TextIO
 
 import msgspec
 
+from echo2.config import convert_config
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
 from echo2.messages import Message
 from echo2.transport import Endpoint, SocketOptions, Transport
-from echo2.transport.endpoint import OnFull
+from echo2.transport.endpoint import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES, OnFull, SocketKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +46,27 @@ class Port:
     one address per binder (so several Rewarders behind one ``rollouts`` channel just work).
     """
 
-    socket: str  # "push" | "pull" | "dealer" | "router" | "pub" | "sub"
+    socket: SocketKind
     bind: bool
-    hwm: int = 1000
+    """True: this end binds and peers connect to it; False: it connects to every binder."""
+    hwm: int = DEFAULT_HWM
+    """ZeroMQ high-water mark, messages queued per peer."""
     on_full: OnFull = "block"
-    max_message_bytes: int = 64 * 1024 * 1024
-    channel: str = ""  # defaults to the port's own name
+    """At the high-water mark a send blocks ("block") or the message is dropped ("drop")."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message accepted from a peer, bytes (a bigger one closes its connection)."""
+    channel: str = ""
+    """Channel whose binders and connectors meet; "": the port's own name."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PortAddresses:
-    """Addresses the runtime resolved for one port of one actor."""
+class PortAddresses(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The addresses one port of one actor gets: derived from the topology, written in the
+    resolved topology (``topology.resolved.json``) and handed to ``ctx.open``."""
 
     bind: tuple[str, ...] = ()
+    """URLs this port binds (inproc, ipc or tcp, by where its peers are)."""
     connect: tuple[str, ...] = ()
+    """URLs this port connects to, one per binder of its channel."""
     curve_server: bool = False
     """Bound for peers on other hosts with CURVE on: a CURVE server."""
     curve_servers: tuple[str, ...] = ()
@@ -91,7 +99,9 @@ class Actor:
 
     @classmethod
     def parse_config(cls, raw: Mapping[str, Any], path: str) -> ActorConfig:
-        return convert_config(raw, cls.Config, path)
+        """This kind's ``Config`` from its topology table; ``ConfigError`` naming the field."""
+        config: ActorConfig = convert_config(raw, cls.Config, path)
+        return config
 
     async def setup(self, ctx: ActorContext) -> None:
         self.ctx = ctx
@@ -225,26 +235,6 @@ def _json_default(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def convert_config(raw: Mapping[str, Any], config_type: type[Any], path: str) -> Any:
-    """Decode a raw TOML table into a typed config, errors as ``path.field: problem``."""
-    try:
-        return msgspec.convert(dict(raw), config_type, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_rewrite_msgspec_error(str(exc), path)) from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc), path=path) from None
-
-
-def _rewrite_msgspec_error(message: str, path: str) -> str:
-    """'Expected `int`, got `str` - at `$.actors[0].hwm`' -> 'path.actors[0].hwm: Expected ...'."""
-    text, sep, where = message.rpartition(" - at `")
-    if not sep:
-        return f"{path}: {message}"
-    where = where.rstrip("`")
-    suffix = where[1:] if where.startswith("$") else where
-    return f"{path}{suffix}: {text}"
 
 
 def default_cpu_count() -> int:

@@ -4,6 +4,7 @@
 
     Echo2Error                      anything echo2 raises on purpose
     ├── ConfigError                 a topology or option is invalid (one line, names the field)
+    │   └── ResolveError            a kind, task or reward name does not resolve (also a ValueError)
     ├── DecodeError                 bytes off the wire are not a valid echo2 message
     │   └── ProtocolMismatch        a peer speaks another PROTOCOL_VERSION
     ├── TransportError              a socket could not be opened, bound or used
@@ -28,6 +29,12 @@ class ConfigError(Echo2Error):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
+
+
+class ResolveError(ConfigError, ValueError):
+    """A registry name or import path names nothing usable: unknown, failing to import, or
+    not the right kind of object. Also a ``ValueError``, which ``load_task``, ``load_reward``
+    and ``make_engine`` raised for these cases before they shared the registry."""
 
 
 class DecodeError(Echo2Error):

@@ -13,8 +13,9 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     staleness: int = 3
     """S: a group made by policy version v is trained at learner version t only if v >= t - S."""
     task: str = "addition"
-    """Built-in task name or ``module:function`` returning a Task."""
+    """Built-in task name (``echo2.registry.TASKS``) or ``module:function`` returning a Task."""
     task_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the task's factory (checked against its signature at load)."""
     reward: str = ""
     """Optional ``module:function`` reward overriding the task's own."""
     group_size: int = 8
@@ -22,11 +23,16 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     groups_per_step: int = 16
     """Prompts (groups) per learner update; R = groups_per_step * group_size rollouts."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0; evaluation is greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling mass of the rollouts, in (0, 1] (1: the whole distribution)."""
     max_new_tokens: int = 8
+    """Most tokens generated per completion, EOS included."""
     model: str = ""
-    """Model directory; empty = the built-in warm-started tiny model."""
+    """"": the built-in warm-started tiny model; "smollm2"; or a model directory (Hugging Face
+    or tiny-model checkpoint). See ``echo2.models.policy``."""
     seed: int = 0
+    """Seed of the prompt stream and, mixed with each sampler's name, of its engine."""
 
     def __post_init__(self) -> None:
         if self.staleness < 0:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import (
@@ -44,7 +45,7 @@ from echo2.transport.codec import Codec
 
 
 class BufferConfig(ActorConfig):
-    max_groups: int = 4096
+    max_groups: Annotated[int, Meta(ge=1)] = 4096
     """Most groups held; beyond it the oldest are dropped as ``overflow`` (a safety net:
     the PromptSource's window normally keeps the store far smaller)."""
 

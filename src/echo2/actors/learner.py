@@ -37,9 +37,10 @@ import json
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.messages import Batch, BatchRequest, LearnerCheckpointed, ScoredGroup, Snapshot
@@ -48,38 +49,49 @@ from echo2.weights.chunks import flatten_tensors
 
 
 class LearnerConfig(ActorConfig):
-    max_steps: int = 300
-    max_wall_s: float = 0.0
+    max_steps: Annotated[int, Meta(ge=0)] = 300
+    """Optimizer steps to train; reaching it completes the run."""
+    max_wall_s: Annotated[float, Meta(ge=0)] = 0.0
     """Stop after this many seconds of training (0 = no limit)."""
-    lr: float = 3e-4
-    warmup_steps: int = 50
+    lr: Annotated[float, Meta(ge=0)] = 3e-4
+    """AdamW learning rate after warm-up."""
+    warmup_steps: Annotated[int, Meta(ge=0)] = 50
     """Linear learning-rate warm-up. Adam's first steps move every weight by about ``lr``
     whatever its gradient; on a small model that is a large policy change per step, which
     staleness then multiplies."""
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    clip_eps: float = 0.2
-    is_cap: float = 2.0
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: Annotated[float, Meta(gt=0)] = 1.0
+    """Largest global gradient norm; larger gradients are scaled down to it."""
+    clip_eps: Annotated[float, Meta(ge=0)] = 0.2
+    """PPO clip range: the ratio to pi_old is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    is_cap: Annotated[float, Meta(gt=0)] = 2.0
     """C: cap of the learner/sampler importance weight."""
-    kl_beta: float = 0.0
-    old_policy: str = "sampler"
+    kl_beta: Annotated[float, Meta(ge=0)] = 0.0
+    """Weight of the k3 KL penalty to the initial policy (0: no penalty, no reference copy)."""
+    old_policy: Literal["sampler", "learner"] = "sampler"
     """pi_old of the PPO ratio: "sampler" (the behaviour log-probs the rollout carries:
     the clip is a trust region around the policy that generated the data) or "learner"
     (the learner's own policy at the step start: ratio 1, the truncated IS weight alone
     corrects for staleness)."""
-    kappa: int = 0
+    kappa: Annotated[int, Meta(ge=0)] = 0
     """Publish a snapshot every kappa steps; 0 = max(1, S - 1)."""
-    eval_every: int = 50
-    eval_prompts: int = 500
-    checkpoint_every: int = 100
-    log_every: int = 10
-    incarnation: int = 0
-    model_dtype: str = "float32"
-    """dtype of the trained weights: "float32" | "bfloat16" (Hugging Face models only;
-    bf16 weights travel as raw uint16 bits)."""
+    eval_every: Annotated[int, Meta(ge=0)] = 50
+    """Steps between greedy evaluations on held-out prompts (0: only the final one)."""
+    eval_prompts: Annotated[int, Meta(ge=0)] = 500
+    """Held-out prompts per evaluation."""
+    checkpoint_every: Annotated[int, Meta(ge=0)] = 100
+    """Steps between checkpoints in the run directory (0: only the final one)."""
+    log_every: Annotated[int, Meta(ge=1)] = 10
+    """Steps between two progress lines in the log (every step is in the metrics)."""
+    incarnation: Annotated[int, Meta(ge=0)] = 0
+    """Incarnation of the versions this learner publishes; ``--resume`` uses the checkpoint's + 1."""
+    model_dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "float32"
+    """dtype of the trained weights: "float32" | "bfloat16" | "float16" (or "fp32", "bf16",
+    "fp16"; Hugging Face models only; bf16 weights travel as raw uint16 bits)."""
     device: str = "cpu"
     """torch device of the learner's model ("cpu", "cuda", "cuda:1")."""
-    simulated_train_s: float = 0.0
+    simulated_train_s: Annotated[float, Meta(ge=0)] = 0.0
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
     (the batch is still consumed and accounted: staleness, rewards). For capacity and
     scheduling benchmarks, where a stable T_train matters and the model does not."""

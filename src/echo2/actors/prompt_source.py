@@ -43,10 +43,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.capacity.scheduler import POLICIES, Scheduler, SchedulerDecision
+from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.messages import (
     PROTOCOL_VERSION,
     ExpireLease,
@@ -63,48 +65,45 @@ from echo2.tasks.base import Prompt, load_job_task
 
 
 class PromptSourceConfig(ActorConfig):
-    lease_ttl_s: float = 60.0
+    lease_ttl_s: Annotated[float, Meta(gt=0)] = 60.0
     """Seconds a sampler has to deliver a scored group before the task is re-issued."""
-    max_attempts: int = 5
+    max_attempts: Annotated[int, Meta(ge=1)] = 5
     """Issues of one task before it is dropped (counted as ``attempts_exhausted``)."""
-    max_inflight_groups: int = 0
+    max_inflight_groups: Annotated[int, Meta(ge=0)] = 0
     """Groups leased or stored but not yet trained; 0 = groups_per_step * min(S + 1, 2)."""
-    expiry_check_s: float = 0.5
-    """How often deadlines are checked (granularity of expiry)."""
-    max_tasks: int = 0
+    expiry_check_s: Annotated[float, Meta(gt=0)] = 0.5
+    """Seconds between two checks of lease deadlines (granularity of expiry)."""
+    max_tasks: Annotated[int, Meta(ge=0)] = 0
     """Stop after this many distinct tasks (0 = unlimited)."""
-    activation: str = "all"
+    activation: ActivationPolicy = "all"
     """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
     hysteresis) or "random" (the ablation). See ``echo2.capacity.scheduler``."""
-    learner_price_per_hour: float = 0.0
+    learner_price_per_hour: Annotated[float, Meta(ge=0)] = 0.0
     """Dollars per hour of the learner, for cost per step."""
-    activation_interval_s: float = 1.0
+    activation_interval_s: Annotated[float, Meta(gt=0)] = 1.0
     """Seconds between scheduler decisions."""
-    activation_record_s: float = 5.0
+    activation_record_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds between state records (changes are recorded at once)."""
-    heartbeat_timeout_s: float = 3.0
-    """A sampler without a heartbeat for this long is unavailable."""
-    warmup_s: float = 10.0
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 3.0
+    """Seconds without a heartbeat after which a sampler is unavailable."""
+    warmup_s: Annotated[float, Meta(ge=0)] = 10.0
     """Seconds after the first sampler appears during which all are active (measuring)."""
-    mu_window_s: float = 20.0
+    mu_window_s: Annotated[float, Meta(gt=0)] = 20.0
     """Window of the per-sampler throughput measurement, seconds."""
-    shortfall_window_s: float = 5.0
-    """A shortfall must last this long before samplers are added."""
-    surplus_window_s: float = 30.0
-    """A surplus must last this long before one sampler is released."""
-    surplus_margin: float = 0.1
-    gamma: float = 1.1
-    """Headroom of the target over mu_min."""
-    t_train_s: float = 0.0
+    shortfall_window_s: Annotated[float, Meta(ge=0)] = 5.0
+    """Seconds a shortfall must last before samplers are added."""
+    surplus_window_s: Annotated[float, Meta(ge=0)] = 30.0
+    """Seconds a surplus must last before one sampler is released."""
+    surplus_margin: Annotated[float, Meta(ge=0)] = 0.1
+    """A sampler is released only if the rest still give target * (1 + surplus_margin)."""
+    gamma: Annotated[float, Meta(ge=1)] = 1.1
+    """Headroom of the target over mu_min (>= 1; the paper's 1.1)."""
+    t_train_s: Annotated[float, Meta(ge=0)] = 0.0
     """Declared seconds per learner update; 0 = measured from the learner's heartbeats."""
     t_bcast_s: float = -1.0
     """Declared broadcast seconds; < 0 = measured (publisher stat, else publication to install)."""
     activation_seed: int = 0
     """Seed of the random policy."""
-
-    def __post_init__(self) -> None:
-        if self.activation not in POLICIES:
-            raise ValueError(f"activation must be one of {', '.join(POLICIES)}, got {self.activation!r}")
 
 
 @dataclass

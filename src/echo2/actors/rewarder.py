@@ -26,9 +26,10 @@ import asyncio
 import concurrent.futures
 import math
 import time
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import numpy as np
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import RolloutGroup, ScoredGroup
@@ -36,13 +37,16 @@ from echo2.tasks.base import Prompt, load_job_task
 
 
 class RewarderConfig(ActorConfig):
-    item_timeout_s: float = 5.0
-    """Deadline for one completion's reward call."""
-    threads: int = 4
-    max_concurrent_groups: int = 8
-    min_kept: int = 2
+    item_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds one completion's reward call may take before it counts as timed out."""
+    threads: Annotated[int, Meta(ge=1)] = 4
+    """Worker threads that run reward code."""
+    max_concurrent_groups: Annotated[int, Meta(ge=1)] = 8
+    """Groups scored at once; beyond it the Rewarder stops reading (backpressure)."""
+    min_kept: Annotated[int, Meta(ge=0)] = 2
     """A group needs this many scored completions to be trainable (GRPO needs a baseline)."""
-    max_stuck_threads: int = 16
+    max_stuck_threads: Annotated[int, Meta(ge=1)] = 16
+    """Threads stuck in timed-out reward calls after which the pool is replaced."""
 
 
 class Rewarder(Actor):

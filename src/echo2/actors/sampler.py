@@ -30,9 +30,10 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
@@ -47,46 +48,50 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
+from echo2.registry import EngineKind
 from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler
 from echo2.weights.link import LinkSpec
+from echo2.weights.plan import DataPlane
 
 
 class SamplerConfig(ActorConfig):
-    engine: str = "torch"
+    engine: EngineKind = "torch"
     """Engine kind: "torch" (built-in or Hugging Face model, pure torch), "hf" (same, HF
     only), "vllm" (extra echo2[vllm]) or "simulated" (no compute, for scale tests)."""
     engine_kwargs: dict[str, Any] = {}
-    credits: int = 8
+    """Keyword arguments of the engine's constructor (``seed`` and ``model_dir`` default
+    from the job)."""
+    credits: Annotated[int, Meta(ge=1)] = 8
     """Leases requested up front; one more is requested per finished group."""
-    max_batch_groups: int = 8
+    max_batch_groups: Annotated[int, Meta(ge=1)] = 8
     """Most leases generated together in one engine call (larger batches decode faster)."""
-    batch_wait_s: float = 0.0
+    batch_wait_s: Annotated[float, Meta(ge=0)] = 0.0
     """With fewer than ``max_batch_groups`` leases queued and more already granted but not
     yet arrived, wait up to this long for them before generating. Leases return one by one
     as groups are stored, so without a wait a sampler decodes many small batches; a small
     model pays most of its decode cost per engine call, not per sequence. 0: never wait."""
-    price_per_hour: float = 0.0
-    """What this worker costs, for cost-aware activation."""
-    uplink_mbps: float = 0.0
+    price_per_hour: Annotated[float, Meta(ge=0)] = 0.0
+    """What this worker costs, dollars per hour, for cost-aware activation."""
+    uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path (relay forwarding), Mbit/s; 0: uncapped."""
-    downlink_mbps: float = 0.0
+    downlink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated downlink cap on the weight path, Mbit/s; 0: uncapped."""
-    latency_ms: float = 0.0
-    """Emulated one-way latency added to every weight chunk this sampler receives."""
+    latency_ms: Annotated[float, Meta(ge=0)] = 0.0
+    """Emulated one-way latency, milliseconds, added to every weight chunk this sampler receives."""
     relay_host: str = ""
     """Address peers reach this sampler's relay inbox at over tcp (default: this host's
     address on the route to the publisher)."""
     shm_dir: str = ""
     """Shared-memory directory (e.g. "/dev/shm"): when the weight publisher shares it (same
     host, its ``shm_dir``), versions are mapped from it and verified in place. "": off."""
-    weights_data_plane: str = "stream"
+    weights_data_plane: DataPlane = "stream"
     """Relay inbox over tcp: "stream" (chunks land in place in the assembly buffer,
     ``echo2.weights.stream``) or "zmq" (a ZeroMQ PULL)."""
-    gap_timeout_s: float = 2.0
+    gap_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    """Seconds a version may make no progress before its missing chunks are repaired."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
-    """A version making no progress for this long has its missing chunks repaired."""
 
 
 class Sampler(Actor):

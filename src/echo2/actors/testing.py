@@ -142,6 +142,7 @@ class Failing(Actor):
         after_s: Annotated[float, Meta(ge=0)] = 0.0
         """Seconds after run() starts at which the actor raises."""
         message: str = "boom"
+        """Text of the ``RuntimeError`` it raises."""
 
     config: Config
 

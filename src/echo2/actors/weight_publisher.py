@@ -32,28 +32,31 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
 from echo2.weights.chunks import DEFAULT_CHUNK_BYTES, make_manifest
 from echo2.weights.link import LinkSpec
+from echo2.weights.plan import RelayMode
 
 
 class WeightPublisherConfig(ActorConfig):
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
-    mode: str = "relay"
+    mode: RelayMode = "relay"
     """"star" (send to every sampler), "relay" (one chain) or "striped" (``stripes`` chains)."""
     stripes: int = 2
     """Chains in striped mode."""
     uplink_mbps: float = 0.0
     """Emulated uplink cap on the weight path, Mbit/s (0: uncapped)."""
-    member_ttl_s: float = 5.0
-    """A sampler not heard from (``WeightSubscribe``) for this long leaves the plan."""
-    send_timeout_s: float = 10.0
-    """A chunk send that cannot complete in this long marks the peer dead for the version."""
+    member_ttl_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds after which a sampler not heard from (``WeightSubscribe``) leaves the plan."""
+    send_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    """Seconds after which a chunk send that cannot complete marks the peer dead for the version."""
     gamma: float = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
     shm_dir: str = ""
@@ -64,8 +67,6 @@ class WeightPublisherConfig(ActorConfig):
     install nothing else. Make one with ``python -m echo2.keys --sign``."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("star", "relay", "striped"):
-            raise ValueError("mode must be 'star', 'relay' or 'striped'")
         if self.chunk_bytes < 1024 or self.chunk_bytes > 32 * 1024 * 1024:
             raise ValueError("chunk_bytes must be in [1 KiB, 32 MiB]")
         if self.stripes < 1:

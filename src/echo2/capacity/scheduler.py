@@ -49,10 +49,12 @@ import random
 import statistics as stats_mod
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from echo2.capacity.model import ActivationController, Worker, cost_per_step, mu_min, mu_target, staleness_bound
 
-POLICIES = ("all", "cost_aware", "random")
+ActivationPolicy = Literal["all", "cost_aware", "random"]
+POLICIES: tuple[ActivationPolicy, ...] = get_args(ActivationPolicy)
 YIELD_LAG_S = 5.0
 
 

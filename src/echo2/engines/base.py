@@ -21,13 +21,14 @@ Contract:
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from echo2.registry import ENGINES, EngineKind
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -131,19 +132,14 @@ class Engine(ABC):
         self.close()
 
 
-_ENGINES = {
-    "torch": ("echo2.engines.torch_engine", "TorchEngine"),
-    "simulated": ("echo2.engines.simulated", "SimulatedEngine"),
-    "hf": ("echo2.engines.hf_engine", "HFTorchEngine"),
-    "vllm": ("echo2.engines.vllm_engine", "VLLMEngine"),
-}
+def make_engine(kind: EngineKind, **kwargs: Any) -> Engine:
+    """Build an engine by its ``echo2.registry.ENGINES`` name, importing its module only now.
 
-
-def make_engine(kind: str, **kwargs: Any) -> Engine:
-    """Build an engine by kind (``"torch"`` | ``"simulated"`` | ``"hf"`` | ``"vllm"``), importing it lazily."""
-    try:
-        module_name, class_name = _ENGINES[kind]
-    except KeyError:
-        raise ValueError(f"unknown engine kind {kind!r}; known: {sorted(_ENGINES)}") from None
-    cls = getattr(importlib.import_module(module_name), class_name)
+    Raises ``ResolveError`` (a ``ValueError``) for an unknown kind.
+    """
+    cls: type[Engine] = ENGINES.resolve(kind, _is_engine_class, "an echo2 Engine class")
     return cls(**kwargs)
+
+
+def _is_engine_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, Engine)

@@ -338,6 +338,7 @@ class Launcher:
             self.children.append(child)
             if not await self._spawn(child, group, pumps):
                 break
+            assert child.proc is not None  # _spawn set it
             pids[name] = child.proc.pid
         self._write_pids()
         _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
@@ -409,7 +410,7 @@ class Launcher:
         return preexec
 
     def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> list[int]:
-        handled = []
+        handled: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))

@@ -11,10 +11,13 @@ rule both sides apply), so an evaluation never measures memorisation.
 
 from __future__ import annotations
 
-import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from echo2.errors import ConfigError, ResolveError
+from echo2.registry import REWARDS, TASKS
 
 if TYPE_CHECKING:
     from echo2.job import JobConfig
@@ -53,25 +56,13 @@ class Task(Protocol):
         ...
 
 
-BUILTIN_TASKS = ("addition", "math_answer", "reasoning_gym")
+def task_factory(spec: str) -> Callable[..., Task]:
+    """The class or function a task spec names: a built-in name (``"addition"``) or ``"module:factory"``.
 
-
-def _import_object(spec: str, what: str) -> Any:
-    """Resolve ``"module.path:attr"``; ValueError naming ``spec`` on any failure."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} spec {spec!r} is not of the form 'module.path:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{what} spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise ValueError(f"{what} spec {spec!r}: {module_name!r} has no attribute {attr!r}") from exc
-    return obj
+    Imports it without calling it. Raises ``ResolveError`` (a ValueError) naming ``spec``.
+    """
+    factory: Callable[..., Task] = TASKS.resolve(spec, callable, "a class or function")
+    return factory
 
 
 def load_task(spec: str, **kwargs: Any) -> Task:
@@ -80,26 +71,7 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     ``factory`` is a class or function called with ``kwargs``; the result must satisfy
     :class:`Task`. Raises ValueError naming ``spec`` when it cannot be resolved.
     """
-    if spec == "addition":
-        from echo2.tasks.addition import AdditionTask
-
-        return AdditionTask(**kwargs)
-    if spec == "math_answer":
-        from echo2.tasks.math_answer import MathWordTask
-
-        return MathWordTask(**kwargs)
-    if spec == "reasoning_gym":
-        from echo2.tasks.reasoning_gym import ReasoningGymTask
-
-        return ReasoningGymTask(**kwargs)
-    if ":" not in spec:
-        raise ValueError(
-            f"task spec {spec!r} is neither a built-in task {list(BUILTIN_TASKS)} nor an import path 'module.path:name'"
-        )
-    factory = _import_object(spec, "task")
-    if not callable(factory):
-        raise ValueError(f"task spec {spec!r} names a {type(factory).__name__}, not a class or function")
-    task = factory(**kwargs)
+    task = task_factory(spec)(**kwargs)
     if not isinstance(task, Task):
         raise ValueError(
             f"task spec {spec!r} returned a {type(task).__name__}, which lacks the Task "
@@ -109,10 +81,11 @@ def load_task(spec: str, **kwargs: Any) -> Task:
 
 
 def load_reward(spec: str) -> RewardFn:
-    """A reward function ``(prompt, completion) -> float`` from ``"module:function"``."""
-    fn = _import_object(spec, "reward")
-    if not callable(fn):
-        raise ValueError(f"reward spec {spec!r} names a {type(fn).__name__}, not a function")
+    """A reward function ``(prompt, completion) -> float`` from ``"module:function"``.
+
+    Raises ``ResolveError`` (a ValueError) naming ``spec``.
+    """
+    fn: RewardFn = REWARDS.resolve(spec, callable, "a function")
     return fn
 
 
@@ -143,3 +116,29 @@ def load_job_task(job: JobConfig) -> Task:
     """The job's task, with its reward replaced when ``job.reward`` names one."""
     task = load_task(job.task, **job.task_kwargs)
     return with_reward(task, load_reward(job.reward) if job.reward else None)
+
+
+def check_job_task(job: JobConfig) -> None:
+    """Check, without building the task, that ``load_job_task(job)`` can resolve what it names.
+
+    The task and reward must import and be callable, and ``task_kwargs`` must fit the task
+    factory's signature. Raises ``ConfigError`` naming the field (``job.task: ...``).
+    """
+    try:
+        factory = task_factory(job.task)
+    except ResolveError as exc:
+        raise ConfigError(str(exc), path="job.task") from None
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None  # no introspectable signature (a C callable): the call will tell
+    if signature is not None:
+        try:
+            signature.bind(**job.task_kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{job.task!r}: {exc}", path="job.task_kwargs") from None
+    if job.reward:
+        try:
+            load_reward(job.reward)
+        except ResolveError as exc:
+            raise ConfigError(str(exc), path="job.reward") from None

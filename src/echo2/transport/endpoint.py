@@ -33,6 +33,7 @@ from echo2.transport.codec import Codec
 log = logging.getLogger(__name__)
 
 OnFull = Literal["block", "drop"]
+SocketKind = Literal["push", "pull", "dealer", "router", "pub", "sub"]
 DEFAULT_HWM = 1000
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Messages drained and decoded per receive. Larger batches barely cut the per-await cost

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from echo2.messages import (
     RelayChain,
@@ -32,14 +33,18 @@ from echo2.weights.stream import (
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]
-MODES = ("star", "relay", "striped")
+RelayMode = Literal["star", "relay", "striped"]
+"""Who the publisher streams to: every sampler, the head of one chain, or of several."""
+MODES: tuple[RelayMode, ...] = get_args(RelayMode)
 RELAY_HWM = 8
 """Chunks queued per relay hop: enough to keep a link busy, few enough that a dead peer
 strands little and the sender is paced by its receiver."""
 GAMMA = 1.1
 NO_LINK = LinkSpec()
 MAX_REPAIR_INDICES = 1024
-DATA_PLANES = ("stream", "zmq")
+DataPlane = Literal["stream", "zmq"]
+"""A relay inbox over tcp: a chunk stream (``weights.stream``) or a ZeroMQ PULL."""
+DATA_PLANES: tuple[DataPlane, ...] = get_args(DataPlane)
 _IPC_PATH_MAX = 100
 
 

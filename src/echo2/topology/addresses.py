@@ -1,0 +1,169 @@
+"""Address derivation: every port's URLs from placement alone, the same on every host.
+
+``derive_addresses(placements, hosts, run_id)`` is pure. A binder binds ``inproc://`` when a
+connector shares its process, ``ipc://`` when one shares its host from another process, and
+``tcp://`` when one is on another host, with ports assigned deterministically from the
+host's ``port_base`` (sorted by (actor, port)), so every host computes the same ones from
+the same file. Each connector gets one URL per binder of its channel, by the same relation.
+
+The runtime of every process publishes heartbeats to all binders of channel ``telemetry``
+(``Addresses.telemetry``), so those binders are reachable from every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import socket
+from collections.abc import Mapping, Sequence
+
+from echo2.actor import PortAddresses
+from echo2.errors import ConfigError
+from echo2.messages import TELEMETRY_CHANNEL
+from echo2.topology.schema import HostSpec, Placement, channel_of, check_channels
+
+IPC_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
+_LOCAL_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Addresses:
+    """Derived URLs: per actor and port, and per process the telemetry binders to reach."""
+
+    ports: dict[str, dict[str, PortAddresses]]
+    telemetry: dict[str, tuple[str, ...]]
+    tcp_ports: dict[tuple[str, str], int]
+    """(actor, port) -> tcp port, for binders that other hosts connect to."""
+    ipc_dir: str
+    curve_hosts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Connect URL -> host of the CURVE server behind it (CURVE on only)."""
+
+
+def ipc_dir_for(run_id: str) -> str:
+    """Directory of this run's ipc sockets (short: socket paths must stay < 100 chars)."""
+    directory = f"/tmp/echo2-{run_id}"
+    if len(directory) > 48:
+        directory = f"/tmp/echo2-{_short_hash(run_id)}"
+    return directory
+
+
+def derive_addresses(
+    places: Sequence[Placement], hosts: Mapping[str, HostSpec], run_id: str, *, curve: bool = False
+) -> Addresses:
+    """Give every port of every placed actor its bind and connect URLs. Pure.
+
+    A binder binds inproc when a connector shares its process, ipc when one shares its host
+    from another process, tcp when one is on another host; with no connector it binds
+    inproc. Each connector gets one URL per binder of its channel, by the same relation.
+    """
+    check_channels(places)
+    ipc_dir = ipc_dir_for(run_id)
+    binders: dict[str, list[tuple[Placement, str]]] = {}
+    connectors: dict[str, list[Placement]] = {}
+    for pl in places:
+        for port_name, spec in pl.ports.items():
+            channel = channel_of(port_name, spec)
+            if spec.bind:
+                binders.setdefault(channel, []).append((pl, port_name))
+            else:
+                connectors.setdefault(channel, []).append(pl)
+    # The runtime's heartbeat publisher of every process is a connector of "telemetry".
+    process_hosts = {pl.process: pl.host for pl in places}
+    telemetry_peers = [Placement(actor="", process=proc, host=host, ports={}) for proc, host in process_hosts.items()]
+
+    # Deterministic tcp ports: per host, binders reached from other hosts sorted by (actor, port).
+    needs_tcp: dict[str, list[tuple[str, str]]] = {}
+    for channel, owners in binders.items():
+        peers = connectors.get(channel, []) + (telemetry_peers if channel == TELEMETRY_CHANNEL else [])
+        for owner, port_name in owners:
+            if any(peer.host != owner.host for peer in peers):
+                needs_tcp.setdefault(owner.host, []).append((owner.actor, port_name))
+    tcp_ports: dict[tuple[str, str], int] = {}
+    for host, keys in needs_tcp.items():
+        base = hosts[host].port_base
+        for offset, key in enumerate(sorted(keys)):
+            if base + offset > 65535:
+                raise ConfigError(f"tcp ports from {base} run past 65535", path=f"hosts.{host}.port_base")
+            tcp_ports[key] = base + offset
+
+    def url(owner: Placement, port_name: str, peer: Placement, *, bind: bool) -> str:
+        if peer.process == owner.process:
+            return f"inproc://echo2-{run_id}/{owner.actor}/{port_name}"
+        if peer.host == owner.host:
+            return f"ipc://{_ipc_path(ipc_dir, owner.actor, port_name)}"
+        port = tcp_ports[(owner.actor, port_name)]
+        return f"tcp://*:{port}" if bind else f"tcp://{hosts[owner.host].address}:{port}"
+
+    result: dict[str, dict[str, dict[str, list[str]]]] = {pl.actor: {} for pl in places}
+    telemetry: dict[str, list[str]] = {proc: [] for proc in process_hosts}
+    for channel, owners in binders.items():
+        peers = connectors.get(channel, [])
+        for owner, port_name in owners:
+            extra = telemetry_peers if channel == TELEMETRY_CHANNEL else []
+            binds: list[str] = []
+            for peer in [*peers, *extra]:
+                _add(binds, url(owner, port_name, peer, bind=True))
+            if not binds:
+                _add(binds, url(owner, port_name, owner, bind=True))
+            result[owner.actor].setdefault(port_name, {"bind": [], "connect": []})["bind"] = binds
+            for peer in peers:
+                for peer_port, spec in peer.ports.items():
+                    if not spec.bind and channel_of(peer_port, spec) == channel:
+                        entry = result[peer.actor].setdefault(peer_port, {"bind": [], "connect": []})
+                        _add(entry["connect"], url(owner, port_name, peer, bind=False))
+            for peer in extra:
+                _add(telemetry[peer.process], url(owner, port_name, peer, bind=False))
+    # With CURVE on, a binder reachable from other hosts is a CURVE server on all its
+    # endpoints, so every connection to it (same host too) must be a CURVE client.
+    owner_of_url = {}
+    for channel, owners in binders.items():
+        for owner, port_name in owners:
+            if curve and (owner.actor, port_name) in tcp_ports:
+                for peer in [*connectors.get(channel, []), *telemetry_peers]:
+                    owner_of_url[url(owner, port_name, peer, bind=False)] = owner.host
+    ports = {
+        actor: {
+            port: PortAddresses(
+                bind=tuple(urls["bind"]),
+                connect=tuple(urls["connect"]),
+                curve_server=curve and (actor, port) in tcp_ports,
+                curve_servers=tuple(owner_of_url.get(u, "") for u in urls["connect"]) if curve else (),
+            )
+            for port, urls in by_port.items()
+        }
+        for actor, by_port in result.items()
+    }
+    return Addresses(
+        ports=ports,
+        telemetry={proc: tuple(urls) for proc, urls in telemetry.items()},
+        tcp_ports=tcp_ports,
+        ipc_dir=ipc_dir,
+        curve_hosts=owner_of_url,
+    )
+
+
+def _add(urls: list[str], url: str) -> None:
+    if url not in urls:
+        urls.append(url)
+
+
+def _ipc_path(ipc_dir: str, actor: str, port: str) -> str:
+    name = f"{actor}.{port}"
+    if len("ipc://") + len(ipc_dir) + 1 + len(name) >= IPC_PATH_MAX:
+        name = _short_hash(name)
+    return f"{ipc_dir}/{name}"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def is_local_address(address: str) -> bool:
+    """True if ``address`` names this machine (loopback or this host's name)."""
+    if address in _LOCAL_ADDRESSES or address.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    return address in names
+
+
+__all__ = ["IPC_PATH_MAX", "Addresses", "derive_addresses", "ipc_dir_for", "is_local_address"]
