@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -182,12 +181,13 @@ def test_sigint_stops_everything_gracefully(tmp_path: Path) -> None:
             ready.discard(line[1 : line.index("]")])
         run_dir = the_run_dir(tmp_path / "runs")
         pids = json.loads(RunDir(run_dir).pids_path.read_text())["processes"]
-        started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait(timeout=15) == 130, "".join(seen) + rest
-    assert time.monotonic() - started < 10
+        assert proc.wait() == 130, "".join(seen) + rest  # the test's timeout bounds a hang
     assert "stopping (SIGINT received)" in rest
+    # Drained, not cut short: each actor returned by itself before any deadline passed.
+    assert "a: actor a finished" in rest and "b: actor b finished" in rest, rest
+    assert "cancelling actors" not in rest and "killing" not in rest, rest
     assert json.loads(RunDir(run_dir).status_path.read_text())["processes"] == {"a": 0, "b": 0}
     assert_gone(pids)
 
@@ -203,12 +203,12 @@ def test_second_sigint_kills_children_that_do_not_drain(tmp_path: Path) -> None:
         pids = json.loads(RunDir(run_dir).pids_path.read_text())["processes"]
         proc.send_signal(signal.SIGINT)
         read_until(proc.stdout, lambda s: "stopping (SIGINT received)" in s, seen)
-        started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait(timeout=15) == 130, "".join(seen) + rest
-    assert time.monotonic() - started < 10
+        assert proc.wait() == 130, "".join(seen) + rest  # the test's timeout bounds a hang
+    # Killed by the second signal, not by the drain deadline (60 s, past the test's timeout).
     assert re.search(r"echo2: killing (a, )?b: second signal \(SIGINT\)", rest), rest  # a may be gone
+    assert "still running" not in rest, rest
     assert json.loads(RunDir(run_dir).status_path.read_text())["processes"]["b"] == -signal.SIGKILL
     assert_gone(pids)
 
