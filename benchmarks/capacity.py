@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo2.rundir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 SKIP_STEPS = 6
 BUBBLE_FLOOR = 0.05
@@ -148,24 +150,14 @@ def launch(text: str, workdir: Path, label: str) -> Path:
     return after.pop()
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
 def measure(run_dir: Path) -> dict[str, Any]:
     """Bubble ratio and dollars per step after warm-up; the scheduler's last figures."""
-    steps = [r for r in _jsonl(run_dir / "metrics" / "learner.jsonl") if r.get("kind") == "step"]
+    run = RunDir(run_dir)
+    steps = run.metrics("learner", "step")
     window = steps[SKIP_STEPS:]
     wait = sum(r["wait_s"] for r in window)
     train = sum(r["train_s"] for r in window)
-    records = _jsonl(run_dir / "metrics" / "prompt_source.jsonl")
+    records = run.metrics("prompt_source")
     acts = [r for r in records if r.get("kind") == "activation" and r.get("t_train_s")]
     summary = next((r for r in records if r.get("kind") == "activation_summary"), None)
     out: dict[str, Any] = {

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import zmq
 
+from echo2.rundir import RunDir, read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "examples" / "topology.toml"
 
@@ -58,19 +60,19 @@ def _launch(run_parent: Path, seconds: float) -> subprocess.Popen[str]:
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run_dir(parent: Path, timeout_s: float = 60) -> Path:
+def _run_dir(parent: Path, timeout_s: float = 60) -> RunDir:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for path in parent.iterdir():
-            if (path / "pids.json").exists():
-                return path
+            if RunDir(path).pids_path.exists():
+                return RunDir(path)
         time.sleep(0.1)
     raise RuntimeError(f"no run started under {parent}")
 
 
-def _bound_urls(run: Path) -> list[tuple[str, int]]:
+def _bound_urls(run: RunDir) -> list[tuple[str, int]]:
     """(url, raw socket type to reach it) for every non-inproc bind of the data process."""
-    resolved = json.loads((run / "topology.resolved.json").read_text())
+    resolved = json.loads(run.topology_path.read_text())
     out = []
     for process in resolved["processes"].values():
         for actor in process["actors"]:
@@ -121,19 +123,16 @@ def _flood(targets: list[tuple[str, int]], total: int, seconds: float, stop: thr
     return sent
 
 
-def _steps_per_minute(run: Path) -> tuple[float, int]:
-    lines = (run / "metrics" / "learner.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines if '"kind": "step"' in line]
+def _steps_per_minute(run: RunDir) -> tuple[float, int]:
+    steps = run.metrics("learner", "step")
     if len(steps) < 2:
         return 0.0, len(steps)
     span = steps[-1]["time_s"] - steps[0]["time_s"]
     return 60.0 * (len(steps) - 1) / span, len(steps)
 
 
-def _reissue_latencies(run: Path, kills: list[tuple[float, str]]) -> list[float]:
-    events = [
-        json.loads(line) for line in (run / "ledger" / "prompt_source.jsonl").read_text().splitlines() if line.strip()
-    ]
+def _reissue_latencies(run: RunDir, kills: list[tuple[float, str]]) -> list[float]:
+    events = read_jsonl(run.ledger_path("prompt_source")).records
     reissues = sorted(e["t"] for e in events if e["ev"] == "leased" and e.get("attempt", 0) > 0)
     out = []
     for t_kill, _ in kills:
@@ -163,7 +162,7 @@ def run_case(seconds: float, *, chaos: bool, kill_every: float, bad_frames: int)
                 end = time.monotonic() + seconds - kill_every
                 while time.monotonic() < end and launcher.poll() is None:
                     time.sleep(kill_every)  # the fault schedule itself, not a synchronisation
-                    pids = json.loads((run / "pids.json").read_text())["processes"]
+                    pids = json.loads(run.pids_path.read_text())["processes"]
                     samplers = sorted(n for n in pids if n.startswith("sampler"))
                     victim = rng.choice(samplers)
                     try:
@@ -179,10 +178,10 @@ def run_case(seconds: float, *, chaos: bool, kill_every: float, bad_frames: int)
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.wait()
-        status = json.loads((run / "status.json").read_text())
-        summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+        status = json.loads(run.status_path.read_text())
+        summary = json.loads(run.summary_path.read_text()) if run.summary_path.exists() else {}
         audit = subprocess.run(
-            [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, cwd=ROOT
+            [sys.executable, "-m", "echo2.audit", str(run.root), "--json"], capture_output=True, text=True, cwd=ROOT
         )
         report = json.loads(audit.stdout) if audit.stdout.strip().startswith("{") else {}
         spm, steps = _steps_per_minute(run)

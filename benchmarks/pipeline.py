@@ -351,9 +351,12 @@ def run_echo2(
             result.ok, result.error = False, f"timed out after {timeout_s:.0f} s (launcher stopped)"
         elif rc != 0:
             result.ok, result.error = False, f"launcher exited with code {rc}"
+        from echo2.rundir import RunDir
+
         runs = sorted(p for p in parent.iterdir() if p.is_dir())
-        run_dir = runs[-1] if runs else None
-        summary_path = run_dir / "summary.json" if run_dir else None
+        run = RunDir(runs[-1]) if runs else None
+        run_dir = run.root if run is not None else None
+        summary_path = run.summary_path if run is not None else None
         if summary_path is None or not summary_path.exists():
             if result.ok:
                 result.ok, result.error = False, "no summary.json was written"
@@ -361,9 +364,9 @@ def run_echo2(
             _read_run(result, run_dir, json.loads(summary_path.read_text()))
             if result.ok and result.steps < steps and not max_wall_s:
                 result.ok, result.error = False, f"incomplete: {result.steps} of {steps} steps"
-        if not result.ok and run_dir is not None and (run_dir / "status.json").exists():
+        if not result.ok and run is not None and run.status_path.exists():
             try:
-                reason = json.loads((run_dir / "status.json").read_text()).get("reason")
+                reason = json.loads(run.status_path.read_text()).get("reason")
             except (OSError, ValueError):
                 reason = None
             if reason:
@@ -417,7 +420,7 @@ def _read_run(result: CaseResult, run_dir: Path, summary: dict[str, Any]) -> Non
         "drops_by_reason": summary.get("drops_by_reason", {}),
         "rollouts_trained_twice": summary.get("rollouts_trained_twice"),
     }
-    steps = _learner_steps(run_dir / "metrics" / "learner.jsonl")
+    steps = _learner_steps(run_dir)
     if steps:
         first, last = steps[0], steps[-1]
         phase_start = first["time_s"] - first.get("wait_s", 0.0) - first.get("train_s", 0.0)
@@ -438,26 +441,21 @@ def _read_run(result: CaseResult, run_dir: Path, summary: dict[str, Any]) -> Non
         result.extra["phase_from"] = "summary.json wall_s (includes the warm-start evaluation)"
 
 
-def _learner_steps(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("kind") == "step" and "time_s" in record:
-            records.append(record)
+def _learner_steps(run_dir: Path) -> list[dict[str, Any]]:
+    from echo2.rundir import RunDir
+
+    records = [r for r in RunDir(run_dir).metrics("learner", "step") if "time_s" in r]
     return sorted(records, key=lambda r: r["step"])
 
 
 def _failure_context(launcher_log: Path, run_dir: Path | None) -> list[str]:
     """The last lines of the launcher's output and of every process log."""
     lines: list[str] = []
+    from echo2.rundir import RunDir
+
     sources = [("launcher", launcher_log)]
-    if run_dir is not None and (run_dir / "logs").is_dir():
-        sources += [(p.stem, p) for p in sorted((run_dir / "logs").glob("*.log"))]
+    if run_dir is not None:
+        sources += [(p.stem, p) for p in RunDir(run_dir).log_paths()]
     for name, path in sources:
         try:
             text = path.read_text(errors="replace").splitlines()

@@ -7,19 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from echo2.rundir import RunDir
 from echo2.tools.audit import audit, main
 
 
 def _write(run: Path, actor: str, events: list[dict]) -> None:
-    (run / "ledger").mkdir(parents=True, exist_ok=True)
-    with open(run / "ledger" / f"{actor}.jsonl", "a") as f:
+    path = RunDir(run).ledger_path(actor)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
         for e in events:
             f.write(json.dumps(e) + "\n")
 
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
-    (tmp_path / "topology.resolved.json").write_text(json.dumps({"job": {"staleness": 2}}))
+    RunDir(tmp_path).topology_path.write_text(json.dumps({"job": {"staleness": 2}}))
     _write(tmp_path, "ps", [{"ev": "leased", "task": f"t{i}", "lease": i} for i in range(6)])
     _write(
         tmp_path,
@@ -78,7 +80,7 @@ def test_each_violation_is_found(run: Path, events: list[dict], violation: str) 
 
 
 def test_a_line_cut_by_sigkill_is_skipped_and_no_ledger_is_exit_2(run: Path, tmp_path_factory) -> None:
-    with open(run / "ledger" / "learner.jsonl", "a") as f:
+    with open(RunDir(run).ledger_path("learner"), "a") as f:
         f.write('{"ev": "trained", "task": "t4", "vers')
     assert audit([run]).ok
     assert main([str(tmp_path_factory.mktemp("empty"))]) == 2

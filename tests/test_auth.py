@@ -14,6 +14,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from echo2.messages import Hello
+from echo2.rundir import RunDir
 from echo2.tools.keys import main as keys_main
 from echo2.transport import Transport
 from echo2.transport.auth import CurveClient, CurveServer, load_keypair, load_public_keys
@@ -142,8 +143,8 @@ process = "dst"
     assert sink.returncode == 0, out_b
     assert source.returncode == 0, out_a
     (run_b,) = (tmp_path / "b").iterdir()
-    resolved = json.loads((run_b / "topology.resolved.json").read_text())
+    resolved = json.loads(RunDir(run_b).topology_path.read_text())
     resolved_port = resolved["processes"]["dst"]["actors"][0]["ports"]["in"]
     assert resolved_port["curve_server"] is True
-    received = json.loads((run_b / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
+    received = RunDir(run_b).metrics("sink")[-1]
     assert received["count"] == 25

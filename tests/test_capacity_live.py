@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from echo2.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,10 +60,6 @@ config = { engine = "simulated", engine_kwargs = { seconds_per_token = 0.02, suc
 """
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_cost_aware_run_parks_dear_samplers_and_reports_cost(tmp_path: Path) -> None:
     topology = tmp_path / "live.toml"
     topology.write_text(TOPOLOGY)
@@ -74,8 +71,9 @@ def test_cost_aware_run_parks_dear_samplers_and_reports_cost(tmp_path: Path) -> 
         timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    records = _records(run_dir / "metrics" / "prompt_source.jsonl")
+    (root,) = (tmp_path / "runs").iterdir()
+    run = RunDir(root)
+    records = run.metrics("prompt_source")
     acts = [r for r in records if r["kind"] == "activation"]
     assert acts and all("reason" in r and "active" in r for r in acts)
     assert "every available sampler" in acts[0]["reason"]  # warm-up / before T_train is known
@@ -84,10 +82,10 @@ def test_cost_aware_run_parks_dear_samplers_and_reports_cost(tmp_path: Path) -> 
     parked = {name for r in planned for name in r["parked"]}
     assert {"dear-0", "dear-1", "dear-2"} <= parked, planned  # cheap ones may be parked too, then re-added
     last = acts[-1]
-    assert last["t_train_s"] == pytest.approx(0.25, rel=0.2)
+    assert last["t_train_s"] >= 0.24  # measured: the simulated step's 0.25 s sleep; load only adds to it
     assert last["mu_min"] and last["active_mu"] >= last["target_mu"] * 0.9
     assert all(name.startswith("cheap") for name in last["active"])
     (summary,) = [r for r in records if r["kind"] == "activation_summary"]
     assert summary["steps"] == 40 and summary["dollars_per_step"] > 0
-    assert (run_dir / "report" / "capacity.png").is_file()
-    assert "Capacity" in (run_dir / "report" / "report.md").read_text()
+    assert (run.report_dir / "capacity.png").is_file()
+    assert "Capacity" in (run.report_dir / "report.md").read_text()

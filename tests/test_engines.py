@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from echo2.engines import FINISH_EOS, FINISH_LENGTH, Completion, Engine, SamplingParams, make_engine
-from echo2.engines.simulated import SimulatedEngine
+from echo2.engines.simulated import SimulatedEngine, simulated_answer
 from echo2.engines.torch_engine import TorchEngine
 from echo2.models import CharTokenizer, TinyTransformer
 from echo2.rl.logprobs import sequence_logprobs
@@ -69,8 +69,7 @@ def test_contract_shapes_and_dtypes(kind: str) -> None:
     with make_engine(kind, **kwargs) as eng:
         assert isinstance(eng, Engine) and eng.version == 0
         prompts = prompt_ids(5)
-        answers = ["1", "22", "333", "4444", "5"]
-        out = eng.generate(prompts, 3, SamplingParams(max_new_tokens=6, seed=1), answers=answers)
+        out = eng.generate(prompts, 3, SamplingParams(max_new_tokens=6, seed=1))
         check_completions(out, 5, 3, 6)
 
 
@@ -233,33 +232,61 @@ def test_closed_engine_refuses_work() -> None:
 # --- simulated engine --------------------------------------------------------------------
 
 
-def test_simulated_success_rate() -> None:
+def test_simulated_success_rate_is_the_addition_tasks_reward_rate() -> None:
     eng = SimulatedEngine(seconds_per_token=0.0, success_rate=0.3, seed=0)
     batch = list(itertools.islice(TASK.prompts(1), 50))
-    out = eng.generate(
-        [TOK.encode_prompt(p.text) for p in batch], 80, SamplingParams(), answers=[p.answer for p in batch]
-    )
+    out = eng.generate([TOK.encode_prompt(p.text) for p in batch], 80, SamplingParams())
     rewards = [TASK.reward(p, c.text) for p, row in zip(batch, out, strict=True) for c in row]
     # 4000 Bernoulli(0.3) draws: sd 0.0072; 5 sd tolerance.
     assert abs(np.mean(rewards) - 0.3) < 0.036
 
 
+@pytest.mark.parametrize("digits", [1, 2, 3, 5])
+def test_simulated_answer_is_the_addition_tasks_answer(digits: int) -> None:
+    task = AdditionTask(digits)
+    prompts = [*itertools.islice(task.prompts(7), 200), *task.heldout(5)]
+    assert all(simulated_answer(p.text) == p.answer for p in prompts)
+
+
+@pytest.mark.parametrize("text", ["", "12", "1+2", "1+2=3", "+1=", "1+2=="])
+def test_simulated_answer_of_a_prompt_it_cannot_read_is_none(text: str) -> None:
+    assert simulated_answer(text) is None
+
+
+def _texts(out: list[list[Completion]]) -> list[list[str]]:
+    return [[c.text for c in row] for row in out]
+
+
+def test_simulated_rule_is_a_function_of_prompt_text_and_seed() -> None:
+    prompts = prompt_ids(6, seed=2)
+    params = SamplingParams(max_new_tokens=6)
+    one = SimulatedEngine(seconds_per_token=0.0, success_rate=0.5, seed=3)
+    first = _texts(one.generate(prompts, 8, params))
+    assert _texts(one.generate(prompts, 8, params)) == first  # no hidden stream: a re-issued lease repeats
+    other = SimulatedEngine(seconds_per_token=0.0, success_rate=0.5, seed=3)  # another sampler, same seed
+    assert _texts(other.generate(prompts[::-1], 8, params)) == first[::-1]  # batch order does not matter
+    assert [row[:3] for row in _texts(other.generate(prompts, 3, params))] == [row[:3] for row in first]
+    reseeded = SimulatedEngine(seconds_per_token=0.0, success_rate=0.5, seed=4)
+    assert _texts(reseeded.generate(prompts, 8, params)) != first
+    assert _texts(reseeded.generate(prompts, 8, SamplingParams(max_new_tokens=6, seed=3))) == first
+
+
 def test_simulated_sleeps_once_per_call_and_records_version() -> None:
     slept: list[float] = []
     eng = SimulatedEngine(seconds_per_token=0.01, success_rate=1.0, response_tokens=4, sleep=slept.append)
-    out = eng.generate([[1, 4]] * 7, 5, SamplingParams(max_new_tokens=6), answers=["12"] * 7)
+    out = eng.generate([TOK.encode_prompt("5+7=")] * 7, 5, SamplingParams(max_new_tokens=6))
     assert slept == [pytest.approx(0.06)]  # one batched decode of max_new_tokens steps
-    assert all(c.text == "12" and c.finish_reason == FINISH_EOS for row in out for c in row)
+    assert all(c.text == "21" and c.finish_reason == FINISH_EOS for row in out for c in row)
     eng.install_weights({"anything": np.zeros(3)}, version=9)
     assert eng.version == 9 and eng.state_layout() == {}
 
 
-def test_simulated_without_answers_and_truncation() -> None:
+def test_simulated_never_answers_an_unreadable_prompt_and_truncates() -> None:
     eng = SimulatedEngine(seconds_per_token=0.0, success_rate=1.0, response_tokens=5, sleep=lambda s: None)
-    out = eng.generate([[1]] * 3, 2, SamplingParams(max_new_tokens=8))
+    out = eng.generate([TOK.encode_prompt("12")] * 3, 2, SamplingParams(max_new_tokens=8))
     assert all(len(c.text) == 4 and c.text.isdigit() for row in out for c in row)
-    cut = eng.generate([[1]], 4, SamplingParams(max_new_tokens=2), answers=["98765"])
+    cut = eng.generate([TOK.encode_prompt("99999+99999=")], 4, SamplingParams(max_new_tokens=2))
     check_completions(cut, 1, 4, 2)
-    assert all(c.finish_reason == FINISH_LENGTH for c in cut[0])
-    with pytest.raises(ValueError, match="answers"):
-        eng.generate([[1]], 1, SamplingParams(), answers=["1", "2"])
+    assert all(c.finish_reason == FINISH_LENGTH and c.text == "89" for c in cut[0])
+    with pytest.raises(ValueError, match="n must be"):
+        eng.generate([TOK.encode_prompt("1+2=")], 0, SamplingParams())

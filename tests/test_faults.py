@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from echo2.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,16 +34,12 @@ def _wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untype
 
 
 def _learner_steps(run: Path) -> int:
-    path = run / "metrics" / "learner.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if '"kind": "step"' in line]
-    return max(steps, default=0)
+    return max((record["step"] for record in RunDir(run).metrics("learner", "step")), default=0)
 
 
 def _sampler_pid(run: Path, name: str) -> int | None:
     try:
-        return json.loads((run / "pids.json").read_text())["processes"].get(name)
+        return json.loads(RunDir(run).pids_path.read_text())["processes"].get(name)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -79,7 +77,7 @@ def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path
             launcher.wait()
     assert launcher.returncode == 0, output[-4000:]
     assert output.count("restarted process 'sampler-0'") == 2, output[-4000:]
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads(RunDir(run).summary_path.read_text())
     assert summary["steps"] == steps
     assert summary["rollouts_trained_twice"] == 0
     assert summary["staleness_max"] <= 3
@@ -110,7 +108,7 @@ def test_learner_killed_then_resumed_trains_nothing_twice(tmp_path: Path) -> Non
     try:
         run = _wait_for(lambda: next((p for p in tmp_path.iterdir() if p.is_dir()), None), 30, "the run dir")
         _wait_for(lambda: _learner_steps(run) >= 25, 120, "learner step 25")
-        learner_pid = json.loads((run / "pids.json").read_text())["processes"]["learner"]
+        learner_pid = json.loads(RunDir(run).pids_path.read_text())["processes"]["learner"]
         os.kill(learner_pid, signal.SIGKILL)
         output, _ = first.communicate(timeout=60)
     finally:
@@ -126,7 +124,7 @@ def test_learner_killed_then_resumed_trains_nothing_twice(tmp_path: Path) -> Non
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
     assert "resumed from step_000020" in resumed.stdout
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads(RunDir(run).summary_path.read_text())
     assert summary["steps"] == steps  # the step count continues from the checkpoint
     assert summary["rollouts_trained_twice"] == 0
     audit = subprocess.run(

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -23,6 +22,7 @@ from typing import IO
 import pytest
 
 from echo2.launch import main, select_processes
+from echo2.rundir import RunDir
 from echo2.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,18 +76,19 @@ def test_smoke_runs_to_completion(tmp_path: Path) -> None:
     result = launch(SMOKE, "--run-dir", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = the_run_dir(tmp_path)
+    run = RunDir(run_dir)
     assert run_dir.name.startswith("smoke-")
-    resolved = json.loads((run_dir / "topology.resolved.json").read_text())
+    resolved = json.loads(run.topology_path.read_text())
     assert resolved["run_id"] == run_dir.name and resolved["run_dir"] == str(run_dir)
     assert sorted(resolved["processes"]) == ["sink", "source-0", "source-1"]
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["sink.log", "source-0.log", "source-1.log"]
-    assert "actor sink finished" in (run_dir / "logs" / "sink.log").read_text()
-    received = json.loads((run_dir / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
+    assert sorted(p.name for p in run.log_paths()) == ["sink.log", "source-0.log", "source-1.log"]
+    assert "actor sink finished" in run.log_path("sink").read_text()
+    received = run.metrics("sink")[-1]
     assert received["count"] == 2000 and received["complete"]
-    status = json.loads((run_dir / "status.json").read_text())
+    status = json.loads(run.status_path.read_text())
     assert status["exit_code"] == 0 and set(status["processes"].values()) == {0}
     assert "[sink] " in result.stdout and "completed the run" in result.stdout
-    assert_gone(json.loads((run_dir / "pids.json").read_text())["processes"])
+    assert_gone(json.loads(run.pids_path.read_text())["processes"])
     assert not Path(resolved["ipc_dir"]).exists()
 
 
@@ -96,7 +97,7 @@ def test_set_reaches_the_children(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = the_run_dir(tmp_path)
     assert run_dir.name.startswith("small-")
-    received = json.loads((run_dir / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
+    received = RunDir(run_dir).metrics("sink")[-1]
     assert received["count"] == 14
 
 
@@ -118,7 +119,7 @@ def test_failing_actor_fails_the_run(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     assert "echo2: process 'boom' (actors boom) failed with exit code 1" in result.stderr
     assert "RuntimeError: injected failure" in result.stdout
-    status = json.loads((the_run_dir(tmp_path / "runs") / "status.json").read_text())
+    status = json.loads(RunDir(the_run_dir(tmp_path / "runs")).status_path.read_text())
     assert status["processes"] == {"boom": 1, "calm": 0}  # calm drained on SIGTERM
 
 
@@ -179,14 +180,15 @@ def test_sigint_stops_everything_gracefully(tmp_path: Path) -> None:
             line = read_until(proc.stdout, lambda s: "running until stopped" in s, seen)
             ready.discard(line[1 : line.index("]")])
         run_dir = the_run_dir(tmp_path / "runs")
-        pids = json.loads((run_dir / "pids.json").read_text())["processes"]
-        started = time.monotonic()
+        pids = json.loads(RunDir(run_dir).pids_path.read_text())["processes"]
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait(timeout=15) == 130, "".join(seen) + rest
-    assert time.monotonic() - started < 10
+        assert proc.wait() == 130, "".join(seen) + rest  # the test's timeout bounds a hang
     assert "stopping (SIGINT received)" in rest
-    assert json.loads((run_dir / "status.json").read_text())["processes"] == {"a": 0, "b": 0}
+    # Drained, not cut short: each actor returned by itself before any deadline passed.
+    assert "a: actor a finished" in rest and "b: actor b finished" in rest, rest
+    assert "cancelling actors" not in rest and "killing" not in rest, rest
+    assert json.loads(RunDir(run_dir).status_path.read_text())["processes"] == {"a": 0, "b": 0}
     assert_gone(pids)
 
 
@@ -198,16 +200,16 @@ def test_second_sigint_kills_children_that_do_not_drain(tmp_path: Path) -> None:
         assert proc.stdout is not None
         read_until(proc.stdout, lambda s: "ignoring stop requests" in s, seen)
         run_dir = the_run_dir(tmp_path / "runs")
-        pids = json.loads((run_dir / "pids.json").read_text())["processes"]
+        pids = json.loads(RunDir(run_dir).pids_path.read_text())["processes"]
         proc.send_signal(signal.SIGINT)
         read_until(proc.stdout, lambda s: "stopping (SIGINT received)" in s, seen)
-        started = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait(timeout=15) == 130, "".join(seen) + rest
-    assert time.monotonic() - started < 10
+        assert proc.wait() == 130, "".join(seen) + rest  # the test's timeout bounds a hang
+    # Killed by the second signal, not by the drain deadline (60 s, past the test's timeout).
     assert re.search(r"echo2: killing (a, )?b: second signal \(SIGINT\)", rest), rest  # a may be gone
-    assert json.loads((run_dir / "status.json").read_text())["processes"]["b"] == -signal.SIGKILL
+    assert "still running" not in rest, rest
+    assert json.loads(RunDir(run_dir).status_path.read_text())["processes"]["b"] == -signal.SIGKILL
     assert_gone(pids)
 
 
@@ -252,7 +254,7 @@ def test_two_hosts_meet_over_tcp(tmp_path: Path) -> None:
             out_a, _ = source.communicate(timeout=20)
     assert sink.returncode == 0, out_b
     assert source.returncode == 0, out_a
-    received = json.loads((the_run_dir(tmp_path / "b") / "metrics" / "sink.jsonl").read_text().splitlines()[-1])
+    received = RunDir(the_run_dir(tmp_path / "b")).metrics("sink")[-1]
     assert received["count"] == 25
 
 

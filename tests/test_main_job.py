@@ -22,6 +22,7 @@ from echo2.actors.sampler import Sampler, SamplerConfig
 from echo2.actors.weight_publisher import WeightPublisher
 from echo2.job import JobConfig
 from echo2.pipeline import Pipeline
+from echo2.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ async def test_grpo_in_one_process_learns(tmp_path: Path) -> None:
     ]
     async with Pipeline(actors, run_dir=tmp_path) as pipeline:
         await pipeline.wait()
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads(RunDir(tmp_path).summary_path.read_text())
     assert summary["steps"] == 150
     assert summary["final_accuracy"] >= summary["initial_accuracy"] + 0.10, summary
     assert summary["staleness_max"] <= 3
@@ -81,7 +82,7 @@ def _launch(topology: str, run_dir: Path, *overrides: str) -> dict:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = [p for p in run_dir.iterdir() if p.is_dir()]
-    return json.loads((run / "summary.json").read_text()) | {"_run": str(run)}
+    return json.loads(RunDir(run).summary_path.read_text()) | {"_run": str(run)}
 
 
 @pytest.mark.timeout(180)
@@ -98,15 +99,15 @@ def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: st
     assert summary["staleness_budget"] == budget
     assert summary["staleness_max"] <= budget
     assert summary["rollouts_trained_twice"] == 0
-    run = Path(summary["_run"])
-    assert (run / "topology.resolved.json").is_file()
-    assert (run / "checkpoints" / "step_000030" / "model.safetensors").is_file()
-    steps = [json.loads(line) for line in (run / "metrics" / "learner.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if s["kind"] == "step"] == list(range(1, 31))
-    assert all(s["staleness_max"] <= budget for s in steps if s["kind"] == "step")
+    run = RunDir(Path(summary["_run"]))
+    assert run.is_run_dir()
+    assert (run.checkpoint_dir(30) / "model.safetensors").is_file()
+    steps = run.metrics("learner", "step")
+    assert [s["step"] for s in steps] == list(range(1, 31))
+    assert all(s["staleness_max"] <= budget for s in steps)
     from echo2.tools.audit import audit
 
-    report = audit([run])
+    report = audit([run.root])
     assert report.ok, report
     assert report.trained == 30 * 16
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -13,6 +12,7 @@ from echo2.actor import Actor, ActorContext, Port
 from echo2.actors.testing import CounterSink, CounterSource, Failing, Idle
 from echo2.errors import ActorFailed, ConfigError
 from echo2.pipeline import Pipeline
+from echo2.rundir import RunDir
 
 
 def counters(count: int = 40) -> tuple[list[CounterSource], CounterSink]:
@@ -25,8 +25,7 @@ async def test_two_sources_one_sink_completes(tmp_path: Path) -> None:
     async with Pipeline([*sources, sink], run_dir=tmp_path) as pipeline:
         await asyncio.wait_for(pipeline.wait(), 10)
     assert sink.complete and sink.received == 80
-    lines = (tmp_path / "metrics" / "sink.jsonl").read_text().splitlines()
-    assert json.loads(lines[-1])["count"] == 80
+    assert RunDir(tmp_path).metrics("sink")[-1]["count"] == 80
 
 
 async def test_failing_actor_surfaces_from_wait() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from echo2.rundir import RunDir
 from echo2.tools.plan import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,16 +107,16 @@ def test_example_topology_plans(capsys) -> None:
 def test_measured_figures_from_a_run_directory(tmp_path: Path, capsys) -> None:
     path = tmp_path / "t.toml"
     path.write_text(MIXED)
-    run = tmp_path / "run"
-    (run / "metrics").mkdir(parents=True)
-    (run / "metrics" / "learner.jsonl").write_text(
+    run = RunDir(tmp_path / "run")
+    run.metrics_dir.mkdir(parents=True)
+    run.metrics_path("learner").write_text(
         "\n".join(json.dumps({"kind": "step", "step": i, "wait_s": 0.0, "train_s": 2.0}) for i in range(5))
         + "\nnot json\n"
     )
-    (run / "metrics" / "prompt_source.jsonl").write_text(
+    run.metrics_path("prompt_source").write_text(
         json.dumps({"kind": "activation", "t_bcast_s": 1.0, "mu_by_sampler": {"real": 50.0, "cheap-0": 8.0}}) + "\n"
     )
-    plan = _plan(capsys, str(path), "--run", str(run))
+    plan = _plan(capsys, str(path), "--run", str(run.root))
     assert plan["t_train_s"] == 2.0 and plan["t_bcast_s"] == 1.0
     assert plan["mu_min"] == pytest.approx(2 * 64 / (4.0 - 1.0))
     assert plan["sources"]["mu"].startswith("measured")

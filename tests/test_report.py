@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from echo2.rundir import RunDir
 from echo2.tools.report import PLOT_NAMES, main, rolling_mean, rolling_sum, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -41,16 +42,16 @@ def step_record(step: int) -> dict[str, object]:
 
 def make_run(root: Path, *, summary: bool = True, truncate_last: bool = True) -> Path:
     run_dir = root / "toy-20260101-000000"
-    (run_dir / "metrics").mkdir(parents=True)
+    RunDir(run_dir).metrics_dir.mkdir(parents=True)
     lines = [json.dumps(step_record(step)) for step in range(1, STEPS + 1)]
     text = "\n".join(lines) + "\n"
     if truncate_last:
         text += json.dumps(step_record(STEPS + 1))[:37]  # killed mid-write
-    (run_dir / "metrics" / "learner.jsonl").write_text(text)
+    RunDir(run_dir).metrics_path("learner").write_text(text)
     # another actor's metrics: no step records, must be ignored
-    (run_dir / "metrics" / "sink.jsonl").write_text('{"time_s": 1.0, "kind": "received", "count": 3}\n')
+    RunDir(run_dir).metrics_path("sink").write_text('{"time_s": 1.0, "kind": "received", "count": 3}\n')
     topology = {"run_id": run_dir.name, "run_dir": str(run_dir), "job": {"staleness": BUDGET}}
-    (run_dir / "topology.resolved.json").write_text(json.dumps(topology))
+    RunDir(run_dir).topology_path.write_text(json.dumps(topology))
     if summary:
         data = {
             "steps": STEPS,
@@ -68,7 +69,7 @@ def make_run(root: Path, *, summary: bool = True, truncate_last: bool = True) ->
             "steps_per_s": 3.2,
             "rollouts_per_s": 409.6,
         }
-        (run_dir / "summary.json").write_text(json.dumps(data, indent=2))
+        RunDir(run_dir).summary_path.write_text(json.dumps(data, indent=2))
     return run_dir
 
 
@@ -80,7 +81,7 @@ def assert_png(path: Path) -> None:
 def test_full_run_writes_every_plot_and_the_markdown(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path)
     written = write_report(run_dir)
-    report = run_dir / "report"
+    report = RunDir(run_dir).report_dir
     assert written == [report / name for name in PLOT_NAMES] + [report / "report.md"]
     for name in PLOT_NAMES:
         assert_png(report / name)
@@ -97,10 +98,10 @@ def test_full_run_writes_every_plot_and_the_markdown(tmp_path: Path) -> None:
 
 def test_killed_run_with_one_truncated_line_and_no_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
-    (run_dir / "metrics").mkdir(parents=True)
-    (run_dir / "metrics" / "learner.jsonl").write_text('{"time_s": 3.1, "kind": "step", "step": 1, "wait')
+    RunDir(run_dir).metrics_dir.mkdir(parents=True)
+    RunDir(run_dir).metrics_path("learner").write_text('{"time_s": 3.1, "kind": "step", "step": 1, "wait')
     written = write_report(run_dir)
-    assert written == [run_dir / "report" / "report.md"]
+    assert written == [RunDir(run_dir).report_dir / "report.md"]
     markdown = written[0].read_text()
     assert "No `summary.json`" in markdown and "No step records" in markdown
     assert markdown.count("_No data for this plot._") == len(PLOT_NAMES)
@@ -110,21 +111,21 @@ def test_no_summary_plots_from_the_step_records(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, summary=False)
     written = {path.name for path in write_report(run_dir)}
     assert written == {*PLOT_NAMES, "report.md"}  # accuracy from records, staleness from staleness_max
-    markdown = (run_dir / "report" / "report.md").read_text()
+    markdown = (RunDir(run_dir).report_dir / "report.md").read_text()
     assert "| steps (from metrics) | 40 |" in markdown
     assert "| staleness_max (from metrics) | 3 (budget S = 3) |" in markdown
 
 
 def test_empty_run_dir_and_stale_plots_are_removed(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path)
-    (run_dir / "report").mkdir()
-    (run_dir / "report" / "reward.png").write_bytes(PNG_MAGIC)  # from an earlier report
-    (run_dir / "metrics" / "learner.jsonl").write_text("")
-    (run_dir / "summary.json").write_text('{"steps": 4')  # cut mid-write
-    (run_dir / "topology.resolved.json").unlink()
-    assert write_report(run_dir) == [run_dir / "report" / "report.md"]
-    assert sorted(p.name for p in (run_dir / "report").iterdir()) == ["report.md"]
-    assert "`summary.json` could not be read" in (run_dir / "report" / "report.md").read_text()
+    RunDir(run_dir).report_dir.mkdir()
+    (RunDir(run_dir).report_dir / "reward.png").write_bytes(PNG_MAGIC)  # from an earlier report
+    RunDir(run_dir).metrics_path("learner").write_text("")
+    RunDir(run_dir).summary_path.write_text('{"steps": 4')  # cut mid-write
+    RunDir(run_dir).topology_path.unlink()
+    assert write_report(run_dir) == [RunDir(run_dir).report_dir / "report.md"]
+    assert sorted(p.name for p in RunDir(run_dir).report_dir.iterdir()) == ["report.md"]
+    assert "`summary.json` could not be read" in (RunDir(run_dir).report_dir / "report.md").read_text()
 
 
 def test_rolling_helpers() -> None:
@@ -140,10 +141,10 @@ def test_main_prints_paths_and_rejects_a_missing_dir(  # one step: filterwarning
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope" in err
     run_dir = tmp_path / "run"
-    (run_dir / "metrics").mkdir(parents=True)
-    (run_dir / "metrics" / "learner.jsonl").write_text(json.dumps(step_record(1)) + "\n")
+    RunDir(run_dir).metrics_dir.mkdir(parents=True)
+    RunDir(run_dir).metrics_path("learner").write_text(json.dumps(step_record(1)) + "\n")
     assert main([str(run_dir), "--window", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        str(run_dir / "report" / n) for n in ("reward.png", "staleness.png", "learner_idle.png", "report.md")
+        str(RunDir(run_dir).report_dir / n) for n in ("reward.png", "staleness.png", "learner_idle.png", "report.md")
     ]

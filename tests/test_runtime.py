@@ -130,7 +130,7 @@ async def test_drain_deadline_cancels_an_actor_that_ignores_stopping(transport: 
         started = loop.time()
         runtime.request_stop("test")
     assert stubborn.cancelled and stubborn.closed
-    assert 0.09 <= loop.time() - started < 5.0
+    assert loop.time() - started >= 0.09  # not before the deadline; the test's timeout bounds a hang
     assert transport.open_endpoints == []
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import time
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -34,6 +33,7 @@ from echo2.config import convert_config
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
 from echo2.messages import Message
+from echo2.rundir import JsonLinesWriter, RunDir
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES, OnFull, SocketKind
 
@@ -148,8 +148,9 @@ class ActorContext:
         self._curve = curve  # echo2.transport.auth.CurveSettings, or None
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
-        self._metrics_file: TextIO | None = None
-        self._ledger_file: TextIO | None = None
+        layout = RunDir(run_dir) if run_dir is not None else None
+        self._metrics = JsonLinesWriter(layout.metrics_path(actor_name)) if layout is not None else None
+        self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
         self._endpoints: list[Endpoint] = []
 
     def has_peers(self, port: str) -> bool:
@@ -193,14 +194,8 @@ class ActorContext:
 
     def record(self, kind: str, **values: Any) -> None:
         """Append one JSON line to ``run_dir/metrics/<actor>.jsonl`` (no-op without a run dir)."""
-        if self.run_dir is None:
-            return
-        if self._metrics_file is None:
-            directory = self.run_dir / "metrics"
-            directory.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(directory / f"{self.actor_name}.jsonl", "a", buffering=1)
-        line = {"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values}
-        self._metrics_file.write(json.dumps(line, default=_json_default) + "\n")
+        if self._metrics is not None:
+            self._metrics.write({"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values})
 
     def ledger(self, event: str, **fields: Any) -> None:
         """Append one accounting event to ``run_dir/ledger/<actor>.jsonl``.
@@ -210,31 +205,14 @@ class ActorContext:
         installed. Line-buffered, so a process killed with SIGKILL loses at most the line
         being written.
         """
-        if self.run_dir is None:
-            return
-        if self._ledger_file is None:
-            directory = self.run_dir / "ledger"
-            directory.mkdir(parents=True, exist_ok=True)
-            self._ledger_file = open(directory / f"{self.actor_name}.jsonl", "a", buffering=1)
-        line = {"t": round(time.time(), 4), "ev": event, **fields}
-        self._ledger_file.write(json.dumps(line, default=_json_default) + "\n")
+        if self._ledger is not None:
+            self._ledger.write({"t": round(time.time(), 4), "ev": event, **fields})
 
     def close(self, linger_ms: int = 0) -> None:
         self.close_endpoints(linger_ms)
-        if self._ledger_file is not None:
-            self._ledger_file.close()
-            self._ledger_file = None
-        if self._metrics_file is not None:
-            self._metrics_file.close()
-            self._metrics_file = None
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+        for writer in (self._ledger, self._metrics):
+            if writer is not None:
+                writer.close()
 
 
 def default_cpu_count() -> int:

@@ -41,6 +41,7 @@ from echo2.messages import (
     LeaseClosed,
     ScoredGroup,
 )
+from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
 
 
@@ -102,7 +103,7 @@ class Buffer(Actor):
     # -- checkpoint ------------------------------------------------------------------
 
     def _state_path(self) -> Path | None:
-        return None if self.ctx.run_dir is None else self.ctx.run_dir / "checkpoints" / f"{self.name}.state"
+        return None if self.ctx.run_dir is None else RunDir(self.ctx.run_dir).state_path(self.name, ".state")
 
     def _encode_group(self, group: ScoredGroup) -> list[bytes]:
         return [bytes(memoryview(frame).cast("B")) for frame in self._codec.encode(group)]

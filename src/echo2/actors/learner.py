@@ -44,6 +44,7 @@ from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.messages import Batch, BatchRequest, LearnerCheckpointed, ScoredGroup, Snapshot
+from echo2.rundir import RunDir
 from echo2.tasks.base import load_job_task
 from echo2.weights.chunks import flatten_tensors
 
@@ -395,7 +396,7 @@ class Learner(Actor):
         from safetensors.torch import save_file
 
         torch = self._torch
-        directory = self.ctx.run_dir / "checkpoints" / f"step_{self.version:06d}"
+        directory = RunDir(self.ctx.run_dir).checkpoint_dir(self.version)
         directory.mkdir(parents=True, exist_ok=True)
         if self.policy.kind == "tiny":
             save_file(
@@ -418,12 +419,13 @@ class Learner(Actor):
         from safetensors.torch import load_file
 
         torch = self._torch
-        root = self.ctx.run_dir / "checkpoints" if self.ctx.run_dir is not None else None
-        complete = sorted(root.glob("step_*/state.json")) if root is not None and root.exists() else []
+        run = RunDir(self.ctx.run_dir) if self.ctx.run_dir is not None else None
+        complete = [d for d in run.checkpoint_dirs() if (d / "state.json").is_file()] if run is not None else []
         if not complete:
-            self.ctx.log.warning("--resume: no complete checkpoint in %s; starting from the initial model", root)
+            where = run.checkpoints_dir if run is not None else None
+            self.ctx.log.warning("--resume: no complete checkpoint in %s; starting from the initial model", where)
             return
-        directory = complete[-1].parent
+        directory = complete[-1]
         state = json.loads((directory / "state.json").read_text())
         weights = load_file(directory / "model.safetensors")
         # HF: names without LogitsLM's "hf." prefix; a tied lm_head is not in the file
@@ -483,7 +485,7 @@ class Learner(Actor):
             self.job.staleness,
         )
         if self.ctx.run_dir is not None:
-            path = self.ctx.run_dir / "summary.json"
+            path = RunDir(self.ctx.run_dir).summary_path
             path.write_text(json.dumps(summary, indent=2) + "\n")
 
 

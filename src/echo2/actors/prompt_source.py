@@ -61,6 +61,7 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
+from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task
 
 
@@ -191,7 +192,7 @@ class PromptSource(Actor):
     # -- checkpoint ------------------------------------------------------------------
 
     def _state_path(self) -> Path | None:
-        return None if self.ctx.run_dir is None else self.ctx.run_dir / "checkpoints" / f"{self.name}.json"
+        return None if self.ctx.run_dir is None else RunDir(self.ctx.run_dir).state_path(self.name, ".json")
 
     def _save_state(self) -> None:
         """Where the prompt stream stands, and the work to re-issue after a restart."""

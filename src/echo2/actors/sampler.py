@@ -320,13 +320,7 @@ class Sampler(Actor):
         params = SamplingParams(temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens)
         prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
         started = time.perf_counter()
-        rows = await asyncio.to_thread(
-            self.engine.generate,
-            prompt_ids,
-            first.group_size,
-            params,
-            answers=[lease.answer for lease in batch],
-        )
+        rows = await asyncio.to_thread(self.engine.generate, prompt_ids, first.group_size, params)
         elapsed = time.perf_counter() - started
         self.generate_s += elapsed
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):

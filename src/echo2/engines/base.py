@@ -99,19 +99,8 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        params: SamplingParams,
-        *,
-        answers: list[str] | None = None,
-    ) -> list[list[Completion]]:
-        """``n`` completions for each prompt (outer list in prompt order).
-
-        ``answers`` (one per prompt) is only used by engines that fake the model
-        (SimulatedEngine); real engines ignore it.
-        """
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """``n`` completions for each prompt (outer list in prompt order)."""
 
     @abstractmethod
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:

@@ -194,10 +194,7 @@ class HFTorchEngine(Engine):
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        *,
-        answers: list[str] | None = None,
     ) -> list[list[Completion]]:
-        del answers
         self._check_open()
         generator = self._generator
         if params.seed is not None:

@@ -230,11 +230,8 @@ class TorchEngine(Engine):
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        *,
-        answers: list[str] | None = None,
     ) -> list[list[Completion]]:
-        """See :meth:`Engine.generate`; ``answers`` is ignored."""
-        del answers
+        """See :meth:`Engine.generate`."""
         self._check_open()
         generator = self._generator
         if params.seed is not None:

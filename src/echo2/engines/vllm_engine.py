@@ -187,10 +187,7 @@ class VLLMEngine(Engine):
         prompts: list[list[int]],
         n: int,
         params: SamplingParams,
-        *,
-        answers: list[str] | None = None,
     ) -> list[list[Completion]]:
-        del answers
         self._check_open()
         check_generate_args(prompts, n)
         from vllm.inputs import TokensPrompt

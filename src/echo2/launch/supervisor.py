@@ -34,12 +34,12 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from echo2.errors import ConfigError
+from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
     Topology,
@@ -119,24 +119,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_BAD_CONFIG
 
     if args.dry_run:
-        run_id = _run_id(topology)
+        run_id = new_run_id(topology.run.name)
         resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
         _print_banner(resolved, names, {}, sys.stdout)
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
 
     if args.resume is not None:
-        run_dir = args.resume.absolute()
-        if not (run_dir / "topology.resolved.json").is_file():
-            print(f"--resume: {run_dir} is not a run directory (no topology.resolved.json)", file=sys.stderr)
+        run = RunDir(args.resume.absolute())
+        if not run.is_run_dir():
+            print(f"--resume: {run.root} is not a run directory (no {run.topology_path.name})", file=sys.stderr)
             return _EXIT_BAD_CONFIG
-        (run_dir / "logs").mkdir(exist_ok=True)
+        run.logs_dir.mkdir(exist_ok=True)
     else:
-        run_dir = _make_run_dir(topology)
-    resolved = resolve(topology, run_dir.name, str(run_dir))
+        try:
+            run = RunDir.create(Path(topology.run.run_dir), new_run_id(topology.run.name))
+        except OSError as exc:  # every fresh name taken, or the parent is not writable
+            print(f"{source}: run.run_dir: {exc}", file=sys.stderr)
+            return _EXIT_BAD_CONFIG
+    run_dir = run.root
+    resolved = resolve(topology, run.name, str(run_dir))
     if args.resume is not None:
         resolved.resume = True
-    resolved_path = run_dir / "topology.resolved.json"
+    resolved_path = run.topology_path
     resolved.dump(resolved_path)
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
     launcher = Launcher(resolved, resolved_path, names, completes)
@@ -176,25 +181,6 @@ def _replace_struct(struct: Any, **changes: Any) -> Any:
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
-
-
-def _run_id(topology: Topology) -> str:
-    return f"{topology.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _make_run_dir(topology: Topology) -> Path:
-    parent = Path(topology.run.run_dir).absolute()
-    parent.mkdir(parents=True, exist_ok=True)
-    base = _run_id(topology)
-    for attempt in range(1000):
-        run_dir = parent / (base if attempt == 0 else f"{base}-{attempt}")
-        try:
-            run_dir.mkdir()
-        except FileExistsError:
-            continue
-        (run_dir / "logs").mkdir()
-        return run_dir
-    raise ConfigError(f"cannot make a fresh run directory under {parent}", path="run.run_dir")
 
 
 def _to_json(resolved: ResolvedTopology) -> str:
@@ -264,6 +250,7 @@ class Launcher:
         self.resolved = resolved
         self.resolved_path = resolved_path
         self.run_dir = Path(resolved.run_dir)
+        self.layout = RunDir(self.run_dir)
         self.names = list(names)
         self.completes_run = completes_run
         self.out = out or sys.stdout
@@ -329,7 +316,7 @@ class Launcher:
                 torch_threads=spec.torch_threads,
                 critical=any(a.kind == "learner" for a in spec.actors),
                 log=open(
-                    self.run_dir / "logs" / f"{name}.log",
+                    self.layout.log_path(name),
                     "a",
                     encoding="utf-8",
                     buffering=1,
@@ -343,7 +330,7 @@ class Launcher:
         self._write_pids()
         _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
         self.say(
-            f"started {len(pids)} process(es); logs in {self.run_dir / 'logs'}; Ctrl-C stops, a second Ctrl-C kills"
+            f"started {len(pids)} process(es); logs in {self.layout.logs_dir}; Ctrl-C stops, a second Ctrl-C kills"
         )
         return pumps
 
@@ -378,9 +365,7 @@ class Launcher:
 
     def _write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
-        (self.run_dir / "pids.json").write_text(
-            json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n"
-        )
+        self.layout.pids_path.write_text(json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n")
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -542,7 +527,7 @@ class Launcher:
         codes = {c.name: c.returncode for c in self.children}
         status = {"exit_code": self.status, "reason": self.reason, "processes": codes}
         with contextlib.suppress(OSError):
-            (self.run_dir / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+            self.layout.status_path.write_text(json.dumps(status, indent=2) + "\n")
         ipc_dir = self.resolved.ipc_dir
         if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
             shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from echo2.rundir import RunDir, read_jsonl_files
+
 VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "late_accepted")
 
 
@@ -65,20 +67,14 @@ class AuditReport:
 
 def read_events(run_dirs: Sequence[Path]) -> Iterator[dict[str, Any]]:
     for run_dir in run_dirs:
-        for path in sorted((run_dir / "ledger").glob("*.jsonl")):
-            with open(path, encoding="utf-8") as lines:
-                for line in lines:
-                    try:
-                        event = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by SIGKILL
-                    if isinstance(event, dict) and "ev" in event:
-                        yield event
+        for event in read_jsonl_files(RunDir(run_dir).ledger_paths()):
+            if "ev" in event:
+                yield event
 
 
 def _budget(run_dirs: Sequence[Path]) -> int | None:
     for run_dir in run_dirs:
-        path = run_dir / "topology.resolved.json"
+        path = RunDir(run_dir).topology_path
         if path.exists():
             return int(json.loads(path.read_text())["job"]["staleness"])
     return None
@@ -183,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     for run_dir in args.run_dirs:
-        if not (run_dir / "ledger").is_dir():
+        if not RunDir(run_dir).ledger_dir.is_dir():
             print(f"echo2.audit: {run_dir}: no ledger/ directory (not a run dir?)", file=sys.stderr)
             return 2
     report = audit(args.run_dirs)

@@ -47,6 +47,7 @@ from echo2.capacity.model import (
     staleness_bound,
 )
 from echo2.errors import ConfigError
+from echo2.rundir import RunDir
 
 
 @dataclass
@@ -128,12 +129,13 @@ def _simulated_mu(cfg: Any, job: Any) -> float | None:
 def apply_run(inputs: PlanInputs, run_dir: Path) -> None:
     """Measured figures of a finished run: learner step times, the scheduler's last record."""
     prices = inputs.prices
-    steps = _records(run_dir / "metrics" / "learner.jsonl", "step")
+    run = RunDir(run_dir)
+    steps = run.metrics("learner", "step")
     if steps:
         train = [r["train_s"] for r in steps if "train_s" in r]
         if train:
             inputs.t_train_s, inputs.sources["t_train_s"] = sum(train) / len(train), f"measured ({run_dir.name})"
-    acts = [r for r in _records(run_dir / "metrics" / "prompt_source.jsonl", "activation") if r.get("mu_by_sampler")]
+    acts = [r for r in run.metrics("prompt_source", "activation") if r.get("mu_by_sampler")]
     if acts:
         last = acts[-1]
         if last.get("t_bcast_s") is not None:
@@ -146,19 +148,6 @@ def apply_run(inputs: PlanInputs, run_dir: Path) -> None:
             inputs.workers = list(known.values())
             inputs.unknown_mu = [n for n in inputs.unknown_mu if n not in measured]
             inputs.sources["mu"] = f"measured ({run_dir.name})"
-
-
-def _records(path: Path, kind: str) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("kind") == kind:
-                out.append(record)
-    return out
 
 
 def make_plan(inputs: PlanInputs) -> dict[str, Any]:

@@ -51,7 +51,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
-REPORT_DIR = "report"
+from echo2.rundir import RunDir, read_jsonl
+
 STEP_KIND = "step"
 PLOT_NAMES = ("reward.png", "accuracy.png", "staleness.png", "learner_idle.png")
 CAPACITY_PLOT = "capacity.png"
@@ -83,25 +84,12 @@ class RunData:
     budget: int | None = None
     """The staleness budget S."""
 
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a JSON-lines file and how many non-blank lines did not parse."""
-    records: list[dict[str, Any]] = []
-    skipped = 0
-    with open(path, encoding="utf-8", errors="replace") as file:
-        for line in file:
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError:  # e.g. the last line of a killed run, cut mid-write
-                skipped += 1
-                continue
-            if isinstance(value, dict):
-                records.append(value)
-            else:
-                skipped += 1
-    return records, skipped
+    @property
+    def step_file(self) -> str | None:
+        """The step records' file, relative to the run directory."""
+        if self.actor is None:
+            return None
+        return str(RunDir(self.run_dir).metrics_path(self.actor).relative_to(self.run_dir))
 
 
 def _read_json(path: Path, data: RunData) -> dict[str, Any] | None:
@@ -120,33 +108,29 @@ def _read_json(path: Path, data: RunData) -> dict[str, Any] | None:
 
 def load_run(run_dir: Path) -> RunData:
     """Read the step records, summary and staleness budget of a run directory."""
-    run_dir = Path(run_dir)
-    data = RunData(run_dir=run_dir, run_id=run_dir.name)
+    run = RunDir(run_dir)
+    data = RunData(run_dir=run.root, run_id=run.name)
     best: tuple[int, str, list[dict[str, Any]], int] | None = None
-    metrics = run_dir / "metrics"
-    if metrics.is_dir():
-        for path in sorted(metrics.glob("*.jsonl")):
-            try:
-                records, skipped = read_jsonl(path)
-            except OSError as exc:
-                data.notes.append(f"`metrics/{path.name}` could not be read ({exc.strerror}).")
-                continue
-            steps = [r for r in records if r.get("kind") == STEP_KIND and _number(r.get("step")) is not None]
-            if steps and (best is None or len(steps) > best[0]):
-                best = (len(steps), path.stem, steps, skipped)
+    for path in run.metrics_paths():
+        try:
+            records, skipped = read_jsonl(path)
+        except OSError as exc:
+            data.notes.append(f"`{path.relative_to(run.root)}` could not be read ({exc.strerror}).")
+            continue
+        steps = [r for r in records if r.get("kind") == STEP_KIND and _number(r.get("step")) is not None]
+        if steps and (best is None or len(steps) > best[0]):
+            best = (len(steps), path.stem, steps, skipped)
     if best is not None:
         _, data.actor, steps, data.skipped_lines = best
         data.steps = sorted(steps, key=lambda r: (r["step"], _number(r.get("time_s")) or 0.0))
         if data.skipped_lines:
-            data.notes.append(
-                f"{data.skipped_lines} line(s) of `metrics/{data.actor}.jsonl` did not parse and were skipped."
-            )
+            data.notes.append(f"{data.skipped_lines} line(s) of `{data.step_file}` did not parse and were skipped.")
 
-    data.summary = _read_json(run_dir / "summary.json", data)
+    data.summary = _read_json(run.summary_path, data)
     if data.summary is None:
         stopped = " (the run may have stopped before the learner wrote it)" if data.steps else ""
         data.notes.append(f"No `summary.json`{stopped}.")
-    topology = _read_json(run_dir / "topology.resolved.json", data)
+    topology = _read_json(run.topology_path, data)
     if topology is not None:
         if isinstance(topology.get("run_id"), str):
             data.run_id = topology["run_id"]
@@ -407,13 +391,8 @@ def plot_learner_idle(data: RunData, path: Path, window: int | None = None) -> P
 
 def activation_records(run_dir: Path) -> list[dict[str, Any]]:
     """The PromptSource's ``activation`` records (with ``unix_s``), oldest first."""
-    out: list[dict[str, Any]] = []
-    metrics = Path(run_dir) / "metrics"
-    if metrics.is_dir():
-        for path in sorted(metrics.glob("*.jsonl")):
-            records, _ = read_jsonl(path)
-            out += [r for r in records if r.get("kind") == "activation" and _number(r.get("unix_s")) is not None]
-    return sorted(out, key=lambda r: r["unix_s"])
+    records = RunDir(run_dir).all_metrics("activation")
+    return sorted((r for r in records if _number(r.get("unix_s")) is not None), key=lambda r: r["unix_s"])
 
 
 def dollars_per_step_series(records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -495,18 +474,11 @@ def plot_capacity(data: RunData, records: Sequence[dict[str, Any]], path: Path) 
 
 def broadcast_records(run_dir: Path) -> list[dict[str, Any]]:
     """The WeightPublisher's ``broadcast`` records (T_bcast per version), by version."""
-    out: list[dict[str, Any]] = []
-    metrics = Path(run_dir) / "metrics"
-    if metrics.is_dir():
-        for path in sorted(metrics.glob("*.jsonl")):
-            records, _ = read_jsonl(path)
-            out += [
-                r
-                for r in records
-                if r.get("kind") == "broadcast"
-                and _number(r.get("t_bcast_s")) is not None
-                and _number(r.get("version")) is not None
-            ]
+    out = [
+        r
+        for r in RunDir(run_dir).all_metrics("broadcast")
+        if _number(r.get("t_bcast_s")) is not None and _number(r.get("version")) is not None
+    ]
     return sorted(out, key=lambda r: (_number(r.get("incarnation")) or 0, r["version"]))
 
 
@@ -594,7 +566,7 @@ _SECTIONS = {
 def render_markdown(data: RunData, written: Sequence[Path], capacity_notes: Sequence[str] = ()) -> str:
     lines = [f"# Run report: {data.run_id}", "", f"Run directory: `{data.run_dir}`", ""]
     if data.actor is not None:
-        lines += [f"Step records: `metrics/{data.actor}.jsonl` ({len(data.steps)} steps).", ""]
+        lines += [f"Step records: `{data.step_file}` ({len(data.steps)} steps).", ""]
     else:
         lines += ["No step records found under `metrics/`.", ""]
     rows = headline_rows(data)
@@ -627,8 +599,9 @@ def write_report(run_dir: Path, *, window: int | None = None) -> list[Path]:
     """Write the plots and ``report.md`` into ``run_dir/report/``; returns the paths written.
 
     ``window`` is the rolling window in steps (default: about a tenth of the run)."""
-    data = load_run(Path(run_dir))
-    out = Path(run_dir) / REPORT_DIR
+    run = RunDir(run_dir)
+    data = load_run(run.root)
+    out = run.report_dir
     out.mkdir(exist_ok=True)
     plotters = {
         "reward.png": lambda p: plot_reward(data, p, window),
@@ -644,13 +617,13 @@ def write_report(run_dir: Path, *, window: int | None = None) -> list[Path]:
         else:
             path.unlink(missing_ok=True)  # never leave a plot of an earlier report behind
     capacity = out / CAPACITY_PLOT
-    activations = activation_records(Path(run_dir))
+    activations = activation_records(run.root)
     if plot_capacity(data, activations, capacity) is not None:
         written.append(capacity)
     else:
         capacity.unlink(missing_ok=True)
     broadcast = out / BROADCAST_PLOT
-    if plot_broadcast(data, broadcast_records(Path(run_dir)), broadcast) is not None:
+    if plot_broadcast(data, broadcast_records(run.root), broadcast) is not None:
         written.append(broadcast)
     else:
         broadcast.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -76,18 +77,29 @@ class TokenBucket:
 
 
 class DelayLine(Generic[T]):
-    """A FIFO whose items become available ``latency_s`` after ``put_nowait``."""
+    """A FIFO whose items become available ``latency_s`` after ``put_nowait``.
 
-    def __init__(self, latency_s: float) -> None:
+    ``clock`` (seconds) and ``sleep`` are the monotonic clock and the asyncio sleep unless a
+    test injects a fake pair."""
+
+    def __init__(
+        self,
+        latency_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.latency_s = max(0.0, latency_s)
         self._items: collections.deque[tuple[float, T]] = collections.deque()
         self._event = asyncio.Event()
+        self._clock = clock
+        self._sleep = sleep
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put_nowait(self, item: T) -> None:
-        self._items.append((time.monotonic() + self.latency_s, item))
+        self._items.append((self._clock() + self.latency_s, item))
         self._event.set()
 
     async def get(self) -> T:
@@ -95,9 +107,9 @@ class DelayLine(Generic[T]):
             self._event.clear()
             await self._event.wait()
         due, _ = self._items[0]
-        delay = due - time.monotonic()
+        delay = due - self._clock()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self._sleep(delay)
         return self._items.popleft()[1]
 
 
