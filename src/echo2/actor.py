@@ -32,7 +32,8 @@ import msgspec
 
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
-from echo2.messages import Message
+from echo2.ledger import LEDGER_DIR, LedgerEvent, encode_line
+from echo2.messages import Message, Statistics
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import OnFull
 
@@ -102,9 +103,15 @@ class Actor:
     async def aclose(self) -> None:
         """Release what setup acquired; endpoints opened via ctx are closed by the runtime."""
 
-    def statistics(self) -> dict[str, float]:
-        """Flat counters for heartbeats and metrics."""
-        return {}
+    def statistics(self) -> Statistics | None:
+        """This actor's statistics record, carried in every heartbeat of its process
+        (``Heartbeat.actor_stats[name]``); None: nothing to report.
+
+        The built-in actors return their kind's record (``echo2.messages.LearnerStats``,
+        ``SamplerStats``, ...). An actor of your own returns
+        ``echo2.messages.CustomStats(values={"name": number, ...})``.
+        """
+        return None
 
 
 class ActorContext:
@@ -192,22 +199,21 @@ class ActorContext:
         line = {"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values}
         self._metrics_file.write(json.dumps(line, default=_json_default) + "\n")
 
-    def ledger(self, event: str, **fields: Any) -> None:
+    def ledger(self, event: LedgerEvent) -> None:
         """Append one accounting event to ``run_dir/ledger/<actor>.jsonl``.
 
-        The ledger is what ``python -m echo2.audit`` reconciles: every task leased, every
-        group accepted, rejected, trained or dropped, every version published and
-        installed. Line-buffered, so a process killed with SIGKILL loses at most the line
-        being written.
+        ``event`` is one of ``echo2.ledger``'s records (the vocabulary the audit reads):
+        every task leased, every group accepted, rejected, trained or dropped. Line-buffered,
+        so a process killed with SIGKILL loses at most the line being written.
         """
+        line = encode_line(event, time.time())  # also checks the event before any file is opened
         if self.run_dir is None:
             return
         if self._ledger_file is None:
-            directory = self.run_dir / "ledger"
+            directory = self.run_dir / LEDGER_DIR
             directory.mkdir(parents=True, exist_ok=True)
             self._ledger_file = open(directory / f"{self.actor_name}.jsonl", "a", buffering=1)
-        line = {"t": round(time.time(), 4), "ev": event, **fields}
-        self._ledger_file.write(json.dumps(line, default=_json_default) + "\n")
+        self._ledger_file.write(line)
 
     def close(self, linger_ms: int = 0) -> None:
         self.close_endpoints(linger_ms)

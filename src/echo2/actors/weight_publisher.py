@@ -35,7 +35,7 @@ import math
 from typing import ClassVar
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.messages import Snapshot
+from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
 from echo2.weights.chunks import DEFAULT_CHUNK_BYTES, make_manifest
 from echo2.weights.link import LinkSpec
@@ -114,16 +114,16 @@ class WeightPublisher(Actor):
         self.ctx.record("broadcast", **values)
         self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
 
-    def statistics(self) -> dict[str, float]:
+    def statistics(self) -> PublisherStats:
         stats = self.broadcaster.statistics()
-        key = self.broadcaster.latest_key
-        t = stats.pop("t_bcast_s")
-        return {
+        latest = self.broadcaster.latest_key
+        t_bcast_s = stats.pop("t_bcast_s")
+        return PublisherStats(
             **self.counters,
-            **stats,
-            "latest_version": key[1] if key else -1,
-            "t_bcast_s": t if not math.isnan(t) else -1.0,
-        }
+            **{name: int(value) for name, value in stats.items()},
+            latest_version=latest.version if latest is not None else -1,
+            t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,
+        )
 
     async def aclose(self) -> None:
         broadcaster = getattr(self, "broadcaster", None)
@@ -138,7 +138,7 @@ class WeightPublisher(Actor):
             batch = [m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)]
             if not batch:
                 continue
-            newest = max(batch, key=lambda s: (s.incarnation, s.version))
+            newest = max(batch, key=lambda s: s.policy_version)
             self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
             manifest = await asyncio.to_thread(make_manifest, newest, self.config.chunk_bytes)

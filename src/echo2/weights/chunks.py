@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 import blake3
 import numpy as np
 
-from echo2.messages import Snapshot, TensorSpec, WeightChunk, WeightManifest
+from echo2.messages import PolicyVersion, Snapshot, TensorSpec, WeightChunk, WeightManifest
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -163,8 +163,9 @@ class SnapshotAssembler:
         self.started_at = time.monotonic()
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.manifest.incarnation, self.manifest.version)
+    def key(self) -> PolicyVersion:
+        """The version being assembled."""
+        return self.manifest.policy_version
 
     @property
     def complete(self) -> bool:
@@ -219,7 +220,7 @@ class SnapshotAssembler:
     def _in_place(self, chunk: WeightChunk) -> bool:
         """Whether ``chunk``'s data is its own region of the buffer (same memory)."""
         m = self.manifest
-        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+        if chunk.policy_version != self.key or not 0 <= chunk.index < len(self._have):
             return False
         start = chunk.index * m.chunk_bytes
         return (
@@ -237,7 +238,7 @@ class SnapshotAssembler:
         different chunks (hashing releases the GIL).
         """
         m = self.manifest
-        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+        if chunk.policy_version != self.key or not 0 <= chunk.index < len(self._have):
             return "foreign"
         index = chunk.index
         start = index * m.chunk_bytes

@@ -31,7 +31,6 @@ from echo2.weights.stream import (
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]
 MODES = ("star", "relay", "striped")
 RELAY_HWM = 8
 """Chunks queued per relay hop: enough to keep a link busy, few enough that a dead peer
