@@ -149,6 +149,8 @@ class SnapshotAssembler:
         assembler from now on); by default a fresh allocation."""
         check_manifest(manifest)
         self.manifest = manifest
+        self.key: PolicyVersion = manifest.policy_version
+        """The version being assembled."""
         if buffer is None:
             buffer = np.empty(manifest.total_bytes, dtype=np.uint8)
         elif buffer.dtype != np.uint8 or buffer.shape != (manifest.total_bytes,):
@@ -161,11 +163,6 @@ class SnapshotAssembler:
         self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
-
-    @property
-    def key(self) -> PolicyVersion:
-        """The version being assembled."""
-        return self.manifest.policy_version
 
     @property
     def complete(self) -> bool:
