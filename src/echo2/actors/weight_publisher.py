@@ -115,12 +115,27 @@ class WeightPublisher(Actor):
         self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
 
     def statistics(self) -> PublisherStats:
-        stats = self.broadcaster.statistics()
+        b = self.broadcaster.statistics()
         latest = self.broadcaster.latest_key
-        t_bcast_s = stats.pop("t_bcast_s")
+        t_bcast_s = b["t_bcast_s"]
         return PublisherStats(
-            **self.counters,
-            **{name: int(value) for name, value in stats.items()},
+            snapshots=self.counters["snapshots"],
+            skipped=self.counters["skipped"],
+            published=int(b["published"]),
+            superseded=int(b["superseded"]),
+            chunks_sent=int(b["chunks_sent"]),
+            stream_bytes=int(b["stream_bytes"]),
+            send_failures=int(b["send_failures"]),
+            repair_requests=int(b["repair_requests"]),
+            repair_chunks_sent=int(b["repair_chunks_sent"]),
+            late_joiner_manifests=int(b["late_joiner_manifests"]),
+            unroutable=int(b["unroutable"]),
+            members_expired=int(b["members_expired"]),
+            installs=int(b["installs"]),
+            shm_versions_written=int(b["shm_versions_written"]),
+            shm_failures=int(b["shm_failures"]),
+            members=int(b["members"]),
+            uplink_bytes=int(b["uplink_bytes"]),
             latest_version=latest.version if latest is not None else -1,
             t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,
         )
