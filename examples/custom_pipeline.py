@@ -8,7 +8,8 @@ Two things are plugged in:
   named by import path exactly as a topology would name it (``job.reward``);
 * ``HeartbeatPrinter``: an actor of your own. It binds the ``telemetry`` channel, so every
   process's runtime sends it heartbeats, and prints a one-line view of the pipeline each
-  time the learner's step count moves.
+  time the learner's step count moves (from the learner's ``LearnerStats`` record); its
+  own statistics are a ``CustomStats``.
 
 All actors run in this process (every channel is ``inproc://``). The same actors, named in
 a topology file, run in separate processes or on other hosts without code changes.
@@ -39,7 +40,7 @@ from echo2 import (
     WeightPublisher,
     run_until_stopped,
 )
-from echo2.messages import Heartbeat
+from echo2.messages import CustomStats, Heartbeat, LearnerStats
 from echo2.tasks.base import Prompt
 
 
@@ -67,20 +68,22 @@ class HeartbeatPrinter(Actor):
         await run_until_stopped(self.ctx.stopping, self._print())
 
     async def _print(self) -> None:
-        last_version = -1.0
+        last_version = -1
         async for beat in self._telemetry:
             if not isinstance(beat, Heartbeat):
                 continue
-            version = beat.stats.get("learner.version", last_version)
-            if version != last_version:
-                last_version = version
-                self.lines += 1
-                print(
-                    f"[{self.name}] learner v{version:.0f}: "
-                    f"{beat.stats.get('learner.rollouts_trained', 0):.0f} rollouts trained, "
-                    f"bubble {100 * beat.stats.get('learner.bubble_ratio', 0):.1f}%",
-                    flush=True,
-                )
+            for stats in beat.actor_stats.values():  # actor name -> its typed statistics record
+                if isinstance(stats, LearnerStats) and stats.version != last_version:
+                    last_version = stats.version
+                    self.lines += 1
+                    print(
+                        f"[{self.name}] learner v{stats.version}: {stats.rollouts_trained} rollouts trained, "
+                        f"bubble {100 * stats.bubble_ratio:.1f}%",
+                        flush=True,
+                    )
+
+    def statistics(self) -> CustomStats:
+        return CustomStats(values={"lines": self.lines})  # an actor of your own reports this way
 
 
 async def main(steps: int) -> int:

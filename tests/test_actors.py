@@ -111,17 +111,17 @@ async def test_buffer_admits_only_fresh_groups_and_accounts_for_every_one(transp
             for i, version in enumerate([1, 3, 5]):
                 await scored.send(_scored(f"task-{i}", version, lease_id=10 + i))
             await scored.send(_scored("task-2", 5, lease_id=99))  # same task again
-            outcomes = {c.lease_id: c.outcome for c in await _closed(completions, 4)}
+            outcomes = {c.lease_id: (c.outcome, c.reason) for c in await _closed(completions, 4)}
             # The request and the groups travel on different sockets, so the version-1 group
             # is either refused on arrival or stored and evicted when the request is seen.
-            assert outcomes.pop(10) in ("dropped:stale", "stored")
-            assert outcomes == {11: "stored", 12: "stored", 99: "duplicate"}
+            assert outcomes.pop(10) in (("dropped", "stale"), ("stored", ""))
+            assert outcomes == {11: ("stored", ""), 12: ("stored", ""), 99: ("duplicate", "")}
 
             batch = await learner.recv()
             assert isinstance(batch, Batch) and batch.request_id == 1
             assert sorted(g.group.task_id for g in batch.groups) == ["task-1", "task-2"]
-            assert batch.buffer_stats["dropped_stale"] == 1
-            assert batch.buffer_stats["dropped_duplicate"] == 1
+            assert batch.buffer is not None
+            assert batch.buffer.dropped == {"stale": 1, "duplicate": 1}
 
             # Expiry is decided once: a stored lease stays stored, an open one expires and a
             # result arriving after that is rejected as late.
@@ -232,9 +232,7 @@ async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) 
                 await completions.send(
                     LeaseClosed(lease_id=lease.lease_id, task_id=lease.task_id, attempt=0, outcome="stored")
                 )
-            await completions.send(
-                LearnerProgress(next_version=1, groups_stored=2, groups_trained=2, groups_dropped_after_store=0)
-            )
+            await completions.send(LearnerProgress(next_version=1, groups_trained=2, groups_dropped_after_store=0))
             third = await sampler.recv()
             assert isinstance(third, TaskLease) and third.min_version == 1
             assert source.counters["leases_issued"] >= 3
@@ -277,7 +275,7 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
             assert a.item_errors == {"raised:RuntimeError": 1, "timeout": 1}
             assert a.dropped_reason == ""
             assert b.dropped_reason == "reward_failed"  # one kept < min_kept
-            assert rewarder.statistics()["item_timeout"] == 1
+            assert rewarder.statistics().item_errors["timeout"] == 1
         finally:
             rollouts.close()
             scored.close()

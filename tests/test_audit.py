@@ -1,52 +1,68 @@
-"""The audit finds each kind of accounting violation in a ledger, and passes a clean one."""
+"""The audit finds each kind of accounting violation in a ledger, and passes a clean one.
+
+Ledgers are written through ``ActorContext.ledger``, the writer every actor uses, with the
+records of ``echo2.ledger``, the vocabulary the audit reads.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
+from echo2 import ledger
+from echo2.actor import ActorContext
 from echo2.rundir import RunDir
 from echo2.tools.audit import audit, main
 
 
-def _write(run: Path, actor: str, events: list[dict]) -> None:
-    path = RunDir(run).ledger_path(actor)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for e in events:
-            f.write(json.dumps(e) + "\n")
+def _context(run: Path, actor: str) -> ActorContext:
+    return ActorContext(
+        actor_name=actor,
+        process="main",
+        transport=None,  # type: ignore[arg-type]  # the ledger needs no sockets
+        ports={},
+        declared={},
+        run_dir=run,
+        stopping=asyncio.Event(),
+    )
+
+
+def _write(run: Path, actor: str, events: list[ledger.LedgerEvent]) -> None:
+    ctx = _context(run, actor)
+    for event in events:
+        ctx.ledger(event)
+    ctx.close()
+
+
+def _trained(task: str, version: int, learner_version: int, incarnation: int = 0) -> ledger.Trained:
+    return ledger.Trained(task=task, version=version, learner_version=learner_version, incarnation=incarnation)
 
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     RunDir(tmp_path).topology_path.write_text(json.dumps({"job": {"staleness": 2}}))
-    _write(tmp_path, "ps", [{"ev": "leased", "task": f"t{i}", "lease": i} for i in range(6)])
+    _write(tmp_path, "ps", [ledger.Leased(task=f"t{i}", lease=i, attempt=0, sampler="s0") for i in range(6)])
     _write(
         tmp_path,
         "buf",
         [
-            {"ev": "accepted", "task": "t0", "lease": 0, "version": 0},
-            {"ev": "accepted", "task": "t1", "lease": 1, "version": 0},
-            {"ev": "rejected", "task": "t2", "lease": 2, "version": 0, "reason": "late"},
-            {"ev": "accepted", "task": "t3", "lease": 3, "version": 0},
-            {"ev": "dropped", "task": "t3", "reason": "stale"},
-            {"ev": "accepted", "task": "t4", "lease": 4, "version": 1},
-            {"ev": "handed", "task": "t0", "request_version": 1},
-            {"ev": "handed", "task": "t1", "request_version": 1},
-            {"ev": "handed", "task": "t4", "request_version": 2},
-            {"ev": "unconsumed", "task": "t9"},
+            ledger.Accepted(task="t0", lease=0, version=0, sampler="s0"),
+            ledger.Accepted(task="t1", lease=1, version=0, sampler="s0"),
+            ledger.Rejected(task="t2", lease=2, version=0, outcome="late"),
+            ledger.Accepted(task="t3", lease=3, version=0, sampler="s0"),
+            ledger.Dropped(task="t3", reason="stale", version=0),
+            ledger.Accepted(task="t4", lease=4, version=1, sampler="s0"),
+            ledger.Rejected(task="t5", lease=5, version=0, outcome="dropped", reason="reward_failed"),
+            ledger.Handed(task="t0", version=0, request_version=1),
+            ledger.Handed(task="t1", version=0, request_version=1),
+            ledger.Handed(task="t4", version=1, request_version=2),
+            ledger.Unconsumed(task="t9", version=0),
         ],
     )
-    _write(
-        tmp_path,
-        "learner",
-        [
-            {"ev": "trained", "task": "t0", "version": 0, "learner_version": 1},
-            {"ev": "trained", "task": "t1", "version": 0, "learner_version": 1},
-        ],
-    )
+    _write(tmp_path, "learner", [_trained("t0", 0, 1), _trained("t1", 0, 1)])
     return tmp_path
 
 
@@ -54,24 +70,22 @@ def test_clean_ledger_passes_and_counts_in_flight_work(run: Path) -> None:
     report = audit([run])
     assert report.ok, report
     assert (report.accepted, report.trained, report.in_flight_at_end) == (4, 2, 1)
-    assert report.rejected == {"late": 1} and report.dropped == {"stale": 1}
+    assert report.rejected == {"late": 1, "dropped:reward_failed": 1} and report.dropped == {"stale": 1}
+    assert report.unreadable_lines == []
     assert main([str(run)]) == 0
 
 
 @pytest.mark.parametrize(
     ("events", "violation"),
     [
-        ([{"ev": "accepted", "task": "t5", "lease": 5, "version": 1}], "lost"),
-        ([{"ev": "trained", "task": "t0", "version": 0, "learner_version": 2}], "duplicated"),
-        ([{"ev": "trained", "task": "zz", "version": 1, "learner_version": 2}], "unexpected"),
-        ([{"ev": "trained", "task": "t4", "version": 1, "learner_version": 4}], "stale_trained"),
-        (
-            [{"ev": "lease_expired", "task": "t1", "lease": 1}],
-            "late_accepted",
-        ),
+        ([ledger.Accepted(task="t5", lease=5, version=1, sampler="s0")], "lost"),
+        ([_trained("t0", 0, 2)], "duplicated"),
+        ([_trained("zz", 1, 2)], "unexpected"),
+        ([_trained("t4", 1, 4)], "stale_trained"),
+        ([ledger.LeaseExpired(task="t1", lease=1)], "late_accepted"),
     ],
 )
-def test_each_violation_is_found(run: Path, events: list[dict], violation: str) -> None:
+def test_each_violation_is_found(run: Path, events: list[ledger.LedgerEvent], violation: str) -> None:
     _write(run, "extra", events)
     report = audit([run])
     assert getattr(report, violation), report
@@ -82,5 +96,49 @@ def test_each_violation_is_found(run: Path, events: list[dict], violation: str) 
 def test_a_line_cut_by_sigkill_is_skipped_and_no_ledger_is_exit_2(run: Path, tmp_path_factory) -> None:
     with open(RunDir(run).ledger_path("learner"), "a") as f:
         f.write('{"ev": "trained", "task": "t4", "vers')
-    assert audit([run]).ok
+    report = audit([run])
+    assert report.ok and report.unreadable_lines == []
     assert main([str(tmp_path_factory.mktemp("empty"))]) == 2
+
+
+def test_a_resumed_learner_voids_what_its_predecessor_trained_after_the_checkpoint(run: Path) -> None:
+    _write(
+        run,
+        "learner",
+        [
+            _trained("t4", 1, 2),  # incarnation 0 at learner version 2: after the checkpoint at 2
+            ledger.Resumed(incarnation=1, previous_incarnation=0, from_version=2),
+            _trained("t4", 1, 2, incarnation=1),  # trained again by the resumed learner
+        ],
+    )
+    report = audit([run])
+    assert report.ok, report
+    assert report.voided_by_resume == 1 and report.trained == 3 and not report.duplicated
+
+
+def test_a_misspelt_event_fails_where_it_is_written(tmp_path: Path) -> None:
+    ctx = _context(tmp_path, "learner")
+    with pytest.raises(TypeError):
+        ctx.ledger("trained", task="t0")  # type: ignore[call-arg]  # the string API is gone
+    with pytest.raises(TypeError):
+        ledger.Trained(task="t0", verison=0, learner_version=1, incarnation=0)  # type: ignore[call-arg]
+    with pytest.raises(AttributeError):
+        ledger.Trainde  # type: ignore[attr-defined]  # noqa: B018
+    ctx.close()
+    assert not (tmp_path / "ledger").exists(), "nothing was written"
+
+
+def test_a_line_of_no_known_event_is_reported_not_silently_skipped(run: Path) -> None:
+    with open(run / "ledger" / "learner.jsonl", "a") as f:
+        f.write(json.dumps({"t": 1.0, "ev": "trainedd", "task": "t4", "version": 1, "learner_version": 2}) + "\n")
+    report = audit([run])
+    assert len(report.unreadable_lines) == 1 and "learner.jsonl:3" in report.unreadable_lines[0]
+    assert report.trained == 2  # not counted as a training
+
+
+def test_the_line_format_is_plain_json_with_time_and_event_name_first() -> None:
+    """What ``benchmarks/chaos.py`` and any other reader of ``ledger/*.jsonl`` parse."""
+    line = ledger.encode_line(ledger.Leased(task="t1", lease=3, attempt=1, sampler="s0"), 12.34567)
+    assert line.endswith("\n")
+    assert json.loads(line) == {"t": 12.3457, "ev": "leased", "task": "t1", "lease": 3, "attempt": 1, "sampler": "s0"}
+    assert list(json.loads(line))[:2] == ["t", "ev"]

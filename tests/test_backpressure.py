@@ -51,8 +51,8 @@ async def test_slow_rewarder_bounds_queues_and_paces_issuance(tmp_path: Path) ->
 
     async def watch() -> None:
         while True:
-            worst["inflight"] = max(worst["inflight"], source.statistics()["inflight"])
-            worst["stored"] = max(worst["stored"], buffer.statistics()["stored_now"])
+            worst["inflight"] = max(worst["inflight"], source.statistics().inflight)
+            worst["stored"] = max(worst["stored"], buffer.statistics().stored_now)
             queued = sum(e.statistics().queued for e in rewarder.ctx.endpoints)
             worst["rollouts_queued"] = max(worst["rollouts_queued"], queued)
             await asyncio.sleep(0.01)  # sampling statistics, not synchronising

@@ -27,7 +27,15 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from echo2.errors import DecodeError, ProtocolMismatch
-from echo2.messages import MESSAGE_TYPES, PROTOCOL_VERSION, Message, WeightChunk, WorkRequest
+from echo2.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    STATISTICS_TYPES,
+    EndpointHealth,
+    Message,
+    WeightChunk,
+    WorkRequest,
+)
 from echo2.transport.codec import (
     ALLOWED_DTYPES,
     DEFAULT_INLINE_LIMIT,
@@ -104,6 +112,8 @@ def for_type(info: mi.Type, big_arrays: bool | None) -> st.SearchStrategy[Any]:
             return st.binary(max_size=40)
         case mi.NoneType():
             return st.none()
+        case mi.LiteralType():
+            return st.sampled_from(info.values)
         case mi.ListType() | mi.VarTupleType():
             items = st.lists(for_type(info.item_type, big_arrays), max_size=3)
             return items.map(tuple) if isinstance(info, mi.VarTupleType) else items
@@ -239,6 +249,8 @@ def random_value(info: mi.Type, rng: random.Random, big: bool) -> Any:
             return rng.randbytes(rng.randrange(20))
         case mi.NoneType():
             return None
+        case mi.LiteralType():
+            return rng.choice(info.values)
         case mi.ListType() | mi.VarTupleType():
             items = [random_value(info.item_type, rng, big) for _ in range(rng.randrange(3))]
             return tuple(items) if isinstance(info, mi.VarTupleType) else items
@@ -574,9 +586,13 @@ def test_one_frame_referenced_twice_is_rejected(target: tuple[Message, list[str]
 
 def wrong_value_for(info: mi.Type) -> Any:
     """A msgpack value that no value of type ``info`` accepts."""
-    if isinstance(info, mi.DictType) or (isinstance(info, mi.StructType) and not info.array_like):
-        return [1, "two"]
-    return {"not": ["this"]}
+    return [1, "two"] if _takes_a_map(info) else {"not": ["this"]}
+
+
+def _takes_a_map(info: mi.Type) -> bool:
+    if isinstance(info, mi.UnionType):
+        return any(_takes_a_map(t) for t in info.types)
+    return isinstance(info, mi.DictType) or (isinstance(info, mi.StructType) and not info.array_like)
 
 
 @given(
@@ -619,15 +635,16 @@ def test_length_prefixes_larger_than_the_input_are_rejected_cheaply(blob: bytes,
 
 
 def field_table() -> str:
-    """The field table of docs/protocol.md, generated from the Structs.
+    """The field table of docs/protocol.md, generated from the Structs: every message, then
+    the statistics records and ``EndpointHealth`` that heartbeats carry.
 
     An ndarray's expected dtype and shape come from the comment after its field in
     ``echo2/messages.py`` (``token_ids: np.ndarray  # int32 (sum_i T_i,)``).
     """
     lines = ["| message | field | type | default |", "|---|---|---|---|"]
-    for cls in MESSAGE_TYPES:
+    for cls in (*MESSAGE_TYPES, *STATISTICS_TYPES, EndpointHealth):
         notes = dict(re.findall(r"^\s+(\w+): np\.ndarray\s+#\s*(.+?)\s*$", inspect.getsource(cls), re.M))
-        for f in TYPE_INFO[cls].fields:
+        for f in mi.type_info(cls).fields:
             default = "required" if f.required else _default_text(f)
             kind = _type_text(f.type)
             if f.name in notes:
@@ -662,6 +679,8 @@ def _type_text(info: mi.Type) -> str:
             )
         case mi.StructType():
             return f"`{info.cls.__name__}` map"
+        case mi.LiteralType():
+            return "str, one of " + ", ".join(f"`{v!r}`" for v in info.values)
         case mi.ListType() | mi.VarTupleType():
             return f"array of {_type_text(info.item_type)}"
         case mi.DictType():

@@ -69,9 +69,9 @@ async def test_a_sampler_beside_the_publisher_takes_versions_from_shared_memory(
     async with Pipeline(actors, run_dir=tmp_path / "run") as pipeline:
         await pipeline.wait()
         stats = sampler.statistics()
-    assert stats["weight_shm_versions"] >= 2, stats  # versions came through shared memory
-    assert stats["installed_version"] >= 4, stats  # S = 1: the sampler kept up
-    assert stats["weight_chunks_forwarded"] == 0
+    assert stats.weight_shm_versions >= 2, stats  # versions came through shared memory
+    assert stats.installed_version >= 4, stats  # S = 1: the sampler kept up
+    assert stats.weight_chunks_forwarded == 0
     assert list(shm.iterdir()) == []  # the publisher removed its files
 
 

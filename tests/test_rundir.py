@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from echo2 import ledger as ledger_events
 from echo2.actor import ActorContext
 from echo2.rundir import JsonLinesWriter, RunDir, new_run_id, read_jsonl, read_jsonl_files
 from echo2.tools.audit import audit
@@ -61,7 +62,7 @@ def test_reader_skips_and_counts_what_is_not_one_json_object(tmp_path: Path) -> 
         b'{"kind": "step", "step": 2, "note": "\xff"}\n'  # undecodable byte: replaced
         b'{"kind": "step", "step": 3'  # the last line, cut by SIGKILL
     )
-    records, skipped = read_jsonl(path)
+    records, skipped, _ = read_jsonl(path)
     assert [r["step"] for r in records] == [1, 2]
     assert skipped == 3
     assert list(read_jsonl_files([path, path])) == records + records
@@ -74,7 +75,7 @@ def test_writer_ends_a_cut_line_before_appending(tmp_path: Path) -> None:
     writer = JsonLinesWriter(path)
     writer.write({"ev": "resumed", "value": np.float32(0.5), "ids": np.arange(2)})
     writer.close()
-    records, skipped = read_jsonl(path)
+    records, skipped, _ = read_jsonl(path)
     assert records == [{"ev": "trained", "task": "t0"}, {"ev": "resumed", "value": 0.5, "ids": [0, 1]}]
     assert skipped == 1
 
@@ -111,20 +112,20 @@ def test_a_resumed_actor_appends_to_its_ledger_after_a_cut_line_and_the_audit_se
     run = RunDir(tmp_path)
     run.topology_path.write_text(json.dumps({"job": {"staleness": 2}}))
     source = _context(tmp_path, "ps")
-    source.ledger("leased", task="t0", lease=0)
+    source.ledger(ledger_events.Leased(task="t0", lease=0, attempt=0, sampler="s0"))
     source.close()
     buffer = _context(tmp_path, "buffer")
-    buffer.ledger("accepted", task="t0", lease=0, version=0)
+    buffer.ledger(ledger_events.Accepted(task="t0", lease=0, version=0, sampler="s0"))
     buffer.close()
     first = _context(tmp_path, "learner")
-    first.ledger("trained", task="t0", version=0, learner_version=1, incarnation=0)
+    first.ledger(ledger_events.Trained(task="t0", version=0, learner_version=1, incarnation=0))
     first.close()
     with open(run.ledger_path("learner"), "a") as ledger:  # killed while writing the next line
         ledger.write('{"t": 1.0, "ev": "trained", "task": "t1", "vers')
     # The resumed learner restarts from version 0: the training above died with the old one.
     resumed = _context(tmp_path, "learner")
-    resumed.ledger("resumed", incarnation=1, previous_incarnation=0, from_version=0)
-    resumed.ledger("trained", task="t0", version=0, learner_version=1, incarnation=1)
+    resumed.ledger(ledger_events.Resumed(incarnation=1, previous_incarnation=0, from_version=0))
+    resumed.ledger(ledger_events.Trained(task="t0", version=0, learner_version=1, incarnation=1))
     resumed.close()
     report = audit([tmp_path])
     assert report.voided_by_resume == 1  # only seen if "resumed" survived the cut line

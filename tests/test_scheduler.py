@@ -1,14 +1,31 @@
-"""The activation scheduler, fed by hand: no sockets, no clock."""
+"""The activation scheduler, fed by hand (no sockets, no clock), and fed a real heartbeat."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 
+import msgspec
 import pytest
 
+from echo2.actor import Actor
 from echo2.capacity.model import ActivationController, Worker
 from echo2.capacity.scheduler import Scheduler
+from echo2.errors import DecodeError
+from echo2.messages import (
+    HEARTBEAT_TOPIC,
+    CustomStats,
+    Heartbeat,
+    LearnerStats,
+    PublisherStats,
+    RewarderStats,
+    SamplerStats,
+    Statistics,
+)
+from echo2.runtime import ProcessRuntime
+from echo2.topology import DEFAULT_HOST, HostSpec, Placement, derive_addresses
+from echo2.transport import Codec, Transport
 
 
 def _sched(policy: str = "cost_aware", **kw) -> Scheduler:
@@ -37,16 +54,16 @@ class Pool:
         self.dead: set[str] = set()
 
     def beat(self, now: float, dt: float = 1.0, t_train_s: float = 1.0) -> None:
-        stats: dict[str, float] = {"learner.train_s_mean": t_train_s, "learner.kappa": 2}
+        stats: dict[str, Statistics] = {"learner": LearnerStats(train_s_mean=t_train_s, kappa=2)}
         for name, (rate, price) in self.spec.items():
             if name in self.dead:
                 continue
             if self.sched.is_active(name):
                 self.busy[name] += dt
                 self.generated[name] += rate * dt
-            stats[f"{name}.price_per_hour"] = price
-            stats[f"{name}.generate_s"] = self.busy[name]
-            stats[f"{name}.samples_generated"] = self.generated[name]
+            stats[name] = SamplerStats(
+                price_per_hour=price, generate_s=self.busy[name], samples_generated=int(self.generated[name])
+            )
         self.sched.observe_heartbeat(now, stats)
         self.sched.observe_delivered({k: int(v) for k, v in self.generated.items()})
 
@@ -160,21 +177,38 @@ def test_surplus_releases_one_expensive_sampler_per_window() -> None:
     assert decisions[-1].active_mu >= decisions[-1].target_mu
 
 
-def test_t_bcast_from_publication_to_first_install_and_publisher_seam() -> None:
+def test_t_bcast_is_the_publishers_measurement_and_first_install_a_diagnostic() -> None:
     sched = _sched()
     pool = Pool(sched, {"a": (4.0, 1.0), "b": (4.0, 1.0)})
     pool.beat(0.0)
     sched.observe_heartbeat(
-        0.5, {"learner.published_version": 4, "learner.published_at_s": 1000.0, "learner.train_s_mean": 1.0}
+        0.5, {"learner": LearnerStats(published_version=4, published_at_s=1000.0, train_s_mean=1.0)}
     )
-    sched.observe_install("b", 4, 1000.9, install_s=0.1)
-    sched.observe_install("a", 4, 1000.3, install_s=0.1)
+    sched.observe_install("b", 4, 1000.9)
+    sched.observe_install("a", 4, 1000.3)
     assert sched.t_first_install_s == pytest.approx(0.9)  # diagnostic: first report fixes it
     assert sched.t_bcast_s == 0.0  # no publisher figure yet
-    sched.observe_heartbeat(1.0, {"weight_publisher.last_publish_s": 0.2, "weight_publisher.published": 3})
-    assert sched.t_bcast_s == pytest.approx(0.3)  # transfer + reload
-    sched.observe_heartbeat(1.0, {"weight_publisher.t_bcast_s": 0.25})
+    sched.observe_heartbeat(1.0, {"weight_publisher": PublisherStats(published=3)})  # t_bcast_s -1: not measured
+    assert sched.t_bcast_s == 0.0
+    sched.observe_heartbeat(1.0, {"weight_publisher": PublisherStats(published=3, t_bcast_s=0.25)})
     assert sched.t_bcast_s == pytest.approx(0.25)
+
+
+def test_records_it_has_no_use_for_are_ignored_whatever_their_values_are_named() -> None:
+    """Dispatch is on the record's type: a custom actor's values named like a sampler's do
+    not make it a sampler, and a learner-shaped custom record sets no T_train."""
+    sched = _sched()
+    sched.observe_heartbeat(
+        0.0,
+        {
+            "mine": CustomStats(values={"price_per_hour": 1.0, "generate_s": 5.0, "samples_generated": 50.0}),
+            "impostor": CustomStats(values={"train_s_mean": 9.0, "kappa": 7.0, "t_bcast_s": 3.0}),
+            "rewarder": RewarderStats(groups_scored=3, item_errors={"timeout": 1}),
+        },
+    )
+    assert sched.available(0.0) == [] and sched.mu_estimates() == {}
+    assert sched.t_train_s is None and sched.kappa == 2 and sched.t_bcast_s == 0.0
+    assert sched.decide(0.0).active == ()
 
 
 def test_unreachable_mu_min_activates_everything() -> None:
@@ -209,3 +243,66 @@ def test_random_controller_uses_same_hysteresis() -> None:
     assert len(first.active) == 4
     assert ctl.update(1.0, workers, 6.0).activated == ()  # shortfall not sustained yet
     assert len(ctl.update(4.5, workers, 6.0).active) == 6
+
+
+# -------------------------------------------------------------- through a real heartbeat
+
+
+class _Reporting(Actor):
+    """Reports a fixed statistics record (or a legacy flat dict) and idles until stopped."""
+
+    kind = "reporting"
+
+    def __init__(self, name: str, stats: object) -> None:
+        super().__init__(name)
+        self._stats = stats
+
+    def statistics(self):  # type: ignore[no-untyped-def]
+        return self._stats
+
+    async def run(self) -> None:
+        await self.ctx.stopping.wait()
+
+
+async def test_scheduler_reads_the_typed_records_of_a_decoded_heartbeat(transport: Transport) -> None:
+    actors = [
+        _Reporting("s0", SamplerStats(price_per_hour=0.5, generate_s=2.0, samples_generated=8)),
+        _Reporting("learner", LearnerStats(train_s_mean=0.25, kappa=3)),
+        _Reporting("legacy", {"price_per_hour": 1.0, "generate_s": 1.0}),  # an actor from before typed stats
+        _Reporting("quiet", None),
+    ]
+    places = [Placement(a.name, "main", DEFAULT_HOST, a.ports) for a in actors]
+    addresses = derive_addresses(places, {DEFAULT_HOST: HostSpec()}, "test").ports
+    sub = transport.sub(name="test.telemetry", bind=["inproc://sched-telemetry"], subscribe=[HEARTBEAT_TOPIC])
+    runtime = ProcessRuntime(
+        actors, addresses, transport=transport, heartbeat_s=0.02, telemetry_connect=["inproc://sched-telemetry"]
+    )
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(runtime.run())
+            beat = await asyncio.wait_for(sub.recv(), 10)
+            runtime.request_stop("test")
+    finally:
+        sub.close()
+    assert isinstance(beat, Heartbeat)
+    assert beat.actor_stats["legacy"] == CustomStats(values={"price_per_hour": 1.0, "generate_s": 1.0})
+    assert "quiet" not in beat.actor_stats
+    sched = _sched()
+    sched.observe_heartbeat(0.0, beat.actor_stats)
+    assert sched.available(0.0) == ["s0"]  # not "legacy": a CustomStats is never a sampler
+    assert sched.t_train_s == 0.25 and sched.kappa == 3
+
+
+def test_a_heartbeat_carrying_an_unknown_record_is_a_decode_error_not_a_crash() -> None:
+    """A record type this version does not know (a newer peer's) fails the typed decode, so
+    the endpoint counts and drops that heartbeat, as any malformed input."""
+    codec = Codec()
+    good = Heartbeat(
+        process="p", actors=["x"], pid=1, host="h", seq=0, time_s=0.0, loop_lag_s=0.0,
+        actor_stats={"x": SamplerStats()},
+    )  # fmt: skip
+    header = bytes(codec.encode(good)[0])
+    body = msgspec.msgpack.decode(header[2:])
+    body["actor_stats"]["x"] = {"type": "QuantumStats", "qubits": 3}
+    with pytest.raises(DecodeError):
+        codec.decode([header[:2] + msgspec.msgpack.encode(body)])

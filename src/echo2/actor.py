@@ -32,7 +32,8 @@ import msgspec
 from echo2.config import convert_config
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
-from echo2.messages import Message
+from echo2.ledger import LedgerEvent, event_record
+from echo2.messages import Message, Statistics
 from echo2.rundir import JsonLinesWriter, RunDir
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES, OnFull, SocketKind
@@ -112,9 +113,15 @@ class Actor:
     async def aclose(self) -> None:
         """Release what setup acquired; endpoints opened via ctx are closed by the runtime."""
 
-    def statistics(self) -> dict[str, float]:
-        """Flat counters for heartbeats and metrics."""
-        return {}
+    def statistics(self) -> Statistics | None:
+        """This actor's statistics record, carried in every heartbeat of its process
+        (``Heartbeat.actor_stats[name]``); None: nothing to report.
+
+        The built-in actors return their kind's record (``echo2.messages.LearnerStats``,
+        ``SamplerStats``, ...). An actor of your own returns
+        ``echo2.messages.CustomStats(values={"name": number, ...})``.
+        """
+        return None
 
 
 class ActorContext:
@@ -197,16 +204,16 @@ class ActorContext:
         if self._metrics is not None:
             self._metrics.write({"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values})
 
-    def ledger(self, event: str, **fields: Any) -> None:
+    def ledger(self, event: LedgerEvent) -> None:
         """Append one accounting event to ``run_dir/ledger/<actor>.jsonl``.
 
-        The ledger is what ``python -m echo2.audit`` reconciles: every task leased, every
-        group accepted, rejected, trained or dropped, every version published and
-        installed. Line-buffered, so a process killed with SIGKILL loses at most the line
-        being written.
+        ``event`` is one of ``echo2.ledger``'s records (the vocabulary the audit reads):
+        every task leased, every group accepted, rejected, trained or dropped. Line-buffered,
+        so a process killed with SIGKILL loses at most the line being written.
         """
+        record = event_record(event, time.time())  # checks the event even without a run dir
         if self._ledger is not None:
-            self._ledger.write({"t": round(time.time(), 4), "ev": event, **fields})
+            self._ledger.write(record)
 
     def close(self, linger_ms: int = 0) -> None:
         self.close_endpoints(linger_ms)

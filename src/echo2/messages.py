@@ -6,12 +6,22 @@ inline in the header when small and as separate zero-copy frames when large (see
 ``docs/protocol.md``). Schema evolution: new fields get defaults; a field never changes type;
 a breaking change bumps ``PROTOCOL_VERSION``.
 
-Policy versions are two integers: ``incarnation`` (bumped each time a learner starts or
-resumes, so versions published before a crash never collide with later ones) and
-``version`` (the learner's update count when the snapshot was taken).
+A policy version is a ``PolicyVersion(incarnation, version)``: ``incarnation`` is bumped
+each time a learner starts or resumes, so versions published before a crash never collide
+with later ones; ``version`` is the learner's update count when the snapshot was taken.
+On the wire they stay two integer fields; every message that names a version has a
+``policy_version`` property, and code compares those, never rebuilt tuples.
+
+Actor statistics travel in ``Heartbeat.actor_stats`` as typed records, one per actor, tagged
+with the record's class name (``LearnerStats``, ``SamplerStats``, ...). An actor of your own
+reports ``CustomStats(values={...})``. A new field of a record gets a default (older peers
+ignore it); a new record type is a new wire type (older peers count the heartbeat that
+carries it as a decode error), so prefer fields to new records.
 """
 
 from __future__ import annotations
+
+from typing import Literal, NamedTuple
 
 import msgspec
 import numpy as np
@@ -26,6 +36,37 @@ HEARTBEAT_TOPIC = b"hb|"
 """Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
 INSTALLED_TOPIC = b"installed|"
 """Topic frame of ``WeightsInstalled`` on the telemetry channel."""
+
+
+class PolicyVersion(NamedTuple):
+    """One policy version, ordered: a later incarnation orders after every version of an
+    earlier one. Hashable, and equal to the plain tuple ``(incarnation, version)``."""
+
+    incarnation: int
+    version: int
+
+
+NO_VERSION = PolicyVersion(-1, -1)
+"""Orders before every published version (nothing installed yet)."""
+
+
+class _Versioned:
+    """Mixin of messages about one policy version (fields ``incarnation`` and ``version``)."""
+
+    __slots__ = ()
+    incarnation: int
+    version: int
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return PolicyVersion(self.incarnation, self.version)
+
+
+LeaseOutcome = Literal["stored", "duplicate", "expired", "late", "dropped"]
+"""How the Buffer settled a lease (``LeaseClosed.outcome``): ``stored`` (the group is in
+the store), ``duplicate`` (its task was already stored or trained), ``expired`` (the
+deadline passed with no result: re-issue), ``late`` (a result for a lease already
+expired), ``dropped`` (not trainable; ``LeaseClosed.reason`` says why)."""
 
 
 class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
@@ -66,11 +107,150 @@ class EndOfStreamMsg(Message):
     producer_id: str
 
 
+# -- statistics records (carried in heartbeats) -----------------------------------------
+
+
+class Statistics(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
+    """Base of the per-actor statistics records (not itself sent). Counters are cumulative
+    since the actor started; ``*_s`` fields are seconds."""
+
+
+class LearnerStats(Statistics):
+    """The Learner's progress and the capacity model's inputs (the scheduler reads them)."""
+
+    version: int = 0
+    rollouts_trained: int = 0
+    bubble_ratio: float = 0.0
+    """Fraction of the learner's time spent waiting for batches."""
+    staleness_max: int = 0
+    train_s_mean: float = 0.0
+    """Mean seconds of a training step, recent steps (T_train; 0 until measured)."""
+    step_s_mean: float = 0.0
+    """Mean seconds of a whole step (wait + train), recent steps."""
+    kappa: int = 0
+    """Steps between published snapshots."""
+    published_version: int = -1
+    published_at_s: float = 0.0
+    """Unix seconds at which ``published_version`` was handed to the publisher."""
+
+
+class SamplerStats(Statistics):
+    """A Sampler's generation counters, its weight path and its price."""
+
+    groups_sent: int = 0
+    samples_generated: int = 0
+    tokens_generated: int = 0
+    installs: int = 0
+    manifests_rejected: int = 0
+    corrupt_chunks: int = 0
+    weight_repair_requests: int = 0
+    weight_chunks_forwarded: int = 0
+    weight_shm_versions: int = 0
+    installed_version: int = -1
+    generate_s: float = 0.0
+    """Seconds spent generating (the denominator of the scheduler's mu_i)."""
+    wait_weights_s: float = 0.0
+    price_per_hour: float = 0.0
+    """Dollars per hour this worker costs (cost-aware activation)."""
+
+
+class BufferStats(Statistics):
+    """The Buffer's accounting (also sent with every ``Batch``)."""
+
+    groups_stored: int = 0
+    groups_trained: int = 0
+    groups_dropped_after_store: int = 0
+    batches_served: int = 0
+    dropped: dict[str, int] = {}
+    """Groups dropped, by reason (``duplicate``, ``late``, ``stale``, ``overflow``, the
+    Rewarder's reasons)."""
+    stored_now: int = 0
+    learner_version: int = 0
+
+
+class PromptSourceStats(Statistics):
+    """The PromptSource's lease counters, in-flight window and activation."""
+
+    leases_issued: int = 0
+    leases_reissued: int = 0
+    leases_expired: int = 0
+    leases_stored: int = 0
+    closed_duplicate: int = 0
+    closed_late: int = 0
+    closed_dropped: int = 0
+    attempts_exhausted: int = 0
+    refused_peers: int = 0
+    leases_of_restarted_samplers: int = 0
+    open_leases: int = 0
+    inflight: int = 0
+    active_samplers: int = 0
+    dollars_spent: float = 0.0
+
+
+class RewarderStats(Statistics):
+    """The Rewarder's scoring counters."""
+
+    groups_scored: int = 0
+    groups_dropped: int = 0
+    items_scored: int = 0
+    item_errors: dict[str, int] = {}
+    """Completions whose reward failed, by reason (``timeout``, ``raised:<type>``, ...)."""
+    stuck_threads: int = 0
+
+
+class PublisherStats(Statistics):
+    """The WeightPublisher's snapshots and its broadcaster's counters."""
+
+    snapshots: int = 0
+    skipped: int = 0
+    """Snapshots superseded by a newer one before they were broadcast."""
+    published: int = 0
+    superseded: int = 0
+    chunks_sent: int = 0
+    stream_bytes: int = 0
+    send_failures: int = 0
+    repair_requests: int = 0
+    repair_chunks_sent: int = 0
+    late_joiner_manifests: int = 0
+    unroutable: int = 0
+    members_expired: int = 0
+    installs: int = 0
+    shm_versions_written: int = 0
+    shm_failures: int = 0
+    members: int = 0
+    uplink_bytes: int = 0
+    latest_version: int = -1
+    t_bcast_s: float = -1.0
+    """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
+
+
+class CustomStats(Statistics):
+    """Statistics of an actor of your own: ``statistics()`` returns
+    ``CustomStats(values={"name": number, ...})``. echo2 carries them and reads none."""
+
+    values: dict[str, float] = {}
+
+
+ActorStats = (
+    LearnerStats | SamplerStats | BufferStats | PromptSourceStats | RewarderStats | PublisherStats | CustomStats
+)
+STATISTICS_TYPES: tuple[type[Statistics], ...] = ActorStats.__args__  # type: ignore[attr-defined]
+
+
+class EndpointHealth(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Input an endpoint threw away: malformed messages, and messages dropped at its HWM."""
+
+    decode_errors: int = 0
+    dropped: int = 0
+
+
 class Heartbeat(Message):
     """Application heartbeat on the telemetry topic: proves the event loop is alive.
 
     ``loop_lag_s`` is how late the heartbeat timer fired; a stuck loop shows up as a missing
-    heartbeat, a busy one as lag. ``stats`` carries per-actor counters (flat name -> number).
+    heartbeat, a busy one as lag. ``actor_stats`` maps actor name -> that actor's statistics
+    record (actors with nothing to report are absent); ``endpoints`` maps endpoint name
+    (``<actor>.<port>``) -> what it discarded.
     """
 
     process: str
@@ -80,7 +260,8 @@ class Heartbeat(Message):
     seq: int
     time_s: float
     loop_lag_s: float
-    stats: dict[str, float] = {}
+    actor_stats: dict[str, ActorStats] = {}
+    endpoints: dict[str, EndpointHealth] = {}
 
 
 class MetricsRecord(Message):
@@ -100,8 +281,6 @@ class WorkRequest(Message):
 
     sampler_id: str
     credits: int
-    incarnation: int = 0
-    installed_version: int = -1
 
 
 class TaskLease(Message):
@@ -126,17 +305,10 @@ class TaskLease(Message):
     policy would be too stale to train when it arrives."""
 
 
-class LeaseRevoked(Message):
-    """The PromptSource took a lease back (expired or sampler parked); drop the work."""
-
-    lease_id: int
-    reason: str
-
-
 # -- rollouts: Sampler -> Rewarder -> Buffer ------------------------------------------
 
 
-class RolloutGroup(Message):
+class RolloutGroup(Message, _Versioned):
     """G completions of one leased prompt, as ragged arrays.
 
     Sample ``i`` owns ``token_ids[offsets[i]:offsets[i+1]]`` and the same slice of
@@ -192,10 +364,11 @@ class ExpireLease(Message):
 
 
 class LearnerProgress(Message):
-    """Buffer -> PromptSource after each batch: cumulative counters that pace issuance."""
+    """Buffer -> PromptSource after each batch: cumulative counters that pace issuance.
+    (Stored groups are not among them: the PromptSource counts those from ``LeaseClosed``,
+    so that a stored group never leaves its in-flight window before it is trained.)"""
 
     next_version: int
-    groups_stored: int
     groups_trained: int
     groups_dropped_after_store: int
     delivered_by_sampler: dict[str, int] = {}
@@ -203,18 +376,20 @@ class LearnerProgress(Message):
 
 
 class LeaseClosed(Message):
-    """Buffer -> PromptSource: the lease is done, with what happened to the group."""
+    """Buffer -> PromptSource: the lease is done, with what happened to the group
+    (``LeaseOutcome``); ``reason`` says why a group was ``dropped`` ("" otherwise)."""
 
     lease_id: int
     task_id: str
     attempt: int
-    outcome: str  # "stored" | "duplicate" | "expired" | "late" | "dropped:<reason>"
+    outcome: LeaseOutcome
+    reason: str = ""
 
 
 # -- batches: Learner <-> Buffer ------------------------------------------------------
 
 
-class BatchRequest(Message):
+class BatchRequest(Message, _Versioned):
     """The learner at ``version`` asks for ``num_groups`` admissible groups."""
 
     request_id: int
@@ -228,23 +403,16 @@ class Batch(Message):
 
     request_id: int
     groups: list[ScoredGroup]
-    buffer_stats: dict[str, int] = {}
+    buffer: BufferStats | None = None
 
 
-class LearnerCheckpointed(Message):
+class LearnerCheckpointed(Message, _Versioned):
     """Learner -> Buffer: a checkpoint at ``version`` is on disk. Groups handed for earlier
     versions are durable in the model; later ones are kept until the next checkpoint, so a
     resumed learner trains them again instead of losing them."""
 
     incarnation: int
     version: int
-
-
-class TrainedReport(Message):
-    """Learner -> Buffer: these task ids were trained at ``version`` (closes accounting)."""
-
-    version: int
-    task_ids: list[str]
 
 
 # -- weights: Learner -> WeightPublisher -> Samplers ----------------------------------
@@ -260,7 +428,7 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
-class Snapshot(Message):
+class Snapshot(Message, _Versioned):
     """Learner -> WeightPublisher: an immutable copy of the policy, flat, with its layout.
 
     In one process this travels over inproc without a copy: ``data`` is referenced, and the
@@ -274,7 +442,7 @@ class Snapshot(Message):
     created_at_s: float
 
 
-class WeightManifest(Message):
+class WeightManifest(Message, _Versioned):
     """Describes one snapshot: layout, chunking and digests (``digest_algorithm``: echo2
     publishes "blake3"; "sha256", the field's default for peers that leave it out, and
     "blake2b-256" are also accepted)."""
@@ -292,7 +460,7 @@ class WeightManifest(Message):
     """Ed25519 over ``echo2.weights.signing.signed_payload`` when signing is on."""
 
 
-class WeightChunk(Message):
+class WeightChunk(Message, _Versioned):
     """Bytes ``[index * chunk_bytes, ...)`` of snapshot (incarnation, version)."""
 
     incarnation: int
@@ -301,7 +469,7 @@ class WeightChunk(Message):
     data: np.ndarray  # uint8 (<= chunk_bytes,)
 
 
-class WeightsInstalled(Message):
+class WeightsInstalled(Message, _Versioned):
     """A sampler installed a version (telemetry; T_bcast is measured from these)."""
 
     sampler_id: str
@@ -320,8 +488,13 @@ class WeightSubscribe(Message):
     incarnation: int = -1
     installed_version: int = -1
     shm_id: str = ""
-    """Identity of the shared-memory directory this sampler can map (``transport.shm``);
+    """Identity of the shared-memory directory this sampler can map (``weights.shm``);
     "" for none. A publisher with the same identity hands it versions as ``WeightShm``."""
+
+    @property
+    def installed(self) -> PolicyVersion:
+        """The version this sampler has installed (``NO_VERSION``: none yet)."""
+        return PolicyVersion(self.incarnation, self.installed_version)
 
 
 class RelayChain(msgspec.Struct, frozen=True, array_like=True):
@@ -332,7 +505,7 @@ class RelayChain(msgspec.Struct, frozen=True, array_like=True):
     members: list[str]
 
 
-class RelayPlan(Message):
+class RelayPlan(Message, _Versioned):
     """WeightPublisher -> each member, before the manifest of (incarnation, version).
 
     Chunk ``i`` belongs to stripe ``i % stripes``. A star is ``stripes = 1`` with one chain
@@ -348,7 +521,7 @@ class RelayPlan(Message):
     addresses: dict[str, str] = {}
 
 
-class WeightShm(Message):
+class WeightShm(Message, _Versioned):
     """WeightPublisher -> a member sharing its host, before the manifest: the version's
     bytes are in the file ``path`` (shared memory); map it and verify it there instead of
     waiting for a stream. The member is in no relay chain for this version."""
@@ -358,7 +531,7 @@ class WeightShm(Message):
     path: str
 
 
-class ChunkRequest(Message):
+class ChunkRequest(Message, _Versioned):
     """Repair: a sampler asks for chunks it lacks (missing or corrupt) of a version."""
 
     sampler_id: str
@@ -375,7 +548,6 @@ AnyMessage = (
     | MetricsRecord
     | WorkRequest
     | TaskLease
-    | LeaseRevoked
     | ExpireLease
     | LearnerProgress
     | RolloutGroup
@@ -383,7 +555,6 @@ AnyMessage = (
     | LeaseClosed
     | BatchRequest
     | Batch
-    | TrainedReport
     | LearnerCheckpointed
     | Snapshot
     | WeightManifest

@@ -192,6 +192,8 @@ class JsonLines(NamedTuple):
 
     records: list[dict[str, Any]]
     skipped: int
+    line_numbers: list[int] = []
+    """The 1-based line of each record in its file (for messages that point at a line)."""
 
 
 def read_jsonl(path: Path) -> JsonLines:
@@ -201,9 +203,10 @@ def read_jsonl(path: Path) -> JsonLines:
     not an object is skipped and counted; undecodable bytes are replaced, never fatal.
     Raises ``OSError`` when the file cannot be read."""
     records: list[dict[str, Any]] = []
+    line_numbers: list[int] = []
     skipped = 0
     with open(path, encoding="utf-8", errors="replace") as file:
-        for line in file:
+        for number, line in enumerate(file, 1):
             if not line.strip():
                 continue
             try:
@@ -213,9 +216,10 @@ def read_jsonl(path: Path) -> JsonLines:
                 continue
             if isinstance(value, dict):
                 records.append(value)
+                line_numbers.append(number)
             else:
                 skipped += 1
-    return JsonLines(records, skipped)
+    return JsonLines(records, skipped, line_numbers)
 
 
 def read_jsonl_files(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:

@@ -9,7 +9,8 @@ A failing actor fails the process: the TaskGroup cancels its siblings, the cause
 with the actor's name, and ``run_actors`` raises ``ActorFailed``.
 
 Heartbeats go on the ``telemetry`` channel (when some actor binds it) every
-``heartbeat_s``: ZMTP heartbeats detect a dead peer but not a stuck event loop.
+``heartbeat_s``: ZMTP heartbeats detect a dead peer but not a stuck event loop. Each
+carries every actor's ``statistics()`` record and what each endpoint discarded.
 
 The program each launched process runs is ``echo2.launch.child``.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
-from echo2.messages import HEARTBEAT_TOPIC, Heartbeat
+from echo2.messages import HEARTBEAT_TOPIC, STATISTICS_TYPES, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
 
@@ -231,15 +232,12 @@ class ProcessRuntime:
         expected = loop.time()
         while True:
             lag = max(0.0, loop.time() - expected)
-            stats: dict[str, float] = {}
-            for actor in self.actors:
-                for key, value in actor.statistics().items():
-                    stats[f"{actor.name}.{key}"] = float(value)
-            for ctx in self._contexts:
-                for endpoint in ctx.endpoints:
-                    s = endpoint.statistics()
-                    stats[f"{s.name}.decode_errors"] = s.decode_errors
-                    stats[f"{s.name}.dropped"] = s.dropped
+            actor_stats = {a.name: stats for a in self.actors if (stats := _statistics_of(a)) is not None}
+            endpoints = {
+                s.name: EndpointHealth(decode_errors=s.decode_errors, dropped=s.dropped)
+                for ctx in self._contexts
+                for s in (endpoint.statistics() for endpoint in ctx.endpoints)
+            }
             beat = Heartbeat(
                 process=self.process,
                 actors=names,
@@ -248,12 +246,27 @@ class ProcessRuntime:
                 seq=seq,
                 time_s=time.time(),
                 loop_lag_s=lag,
-                stats=stats,
+                actor_stats=actor_stats,
+                endpoints=endpoints,
             )
             await telemetry.publish(HEARTBEAT_TOPIC, beat)
             seq += 1
             expected = loop.time() + self.heartbeat_s
             await asyncio.sleep(self.heartbeat_s)
+
+
+def _statistics_of(actor: Actor) -> ActorStats | None:
+    stats: object = actor.statistics()
+    if stats is None or isinstance(stats, STATISTICS_TYPES):
+        return stats  # type: ignore[return-value]
+    if isinstance(stats, Mapping):
+        # An actor written before statistics were typed returns a flat dict: carry it as
+        # the record for actors of one's own, as if it had returned CustomStats.
+        return CustomStats(values={str(k): float(v) for k, v in stats.items()})
+    raise TypeError(
+        f"actor {actor.name}: statistics() must return an echo2.messages statistics record "
+        f"(CustomStats for an actor of your own) or None, got {type(stats).__name__}"
+    )
 
 
 async def _aclose_actor(actor: Actor) -> None:
@@ -262,6 +275,3 @@ async def _aclose_actor(actor: Actor) -> None:
     except Exception:
         log.exception("actor %s: aclose failed", actor.name)
         raise
-
-
-# -- child-process entry point -----------------------------------------------------------

@@ -4,7 +4,7 @@ Role: every group ends here exactly once, as stored (and later trained, or dropp
 stale) or as dropped on arrival with a reason: ``duplicate`` (task already stored or
 trained), ``late`` (its lease had expired), ``stale`` (policy version below
 ``learner_version - S``), or the Rewarder's reason. Counts per reason are in every
-``Batch`` reply and in ``statistics()``.
+``Batch`` reply and in ``statistics()`` (``BufferStats.dropped``).
 
 Admission (bounded staleness): a group made by version ``v`` is admissible for a learner
 at version ``t`` only if ``v >= t - S``; with ``S = 0`` only the current version trains.
@@ -31,14 +31,18 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
+from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import (
     Batch,
     BatchRequest,
+    BufferStats,
     ExpireLease,
     LearnerCheckpointed,
     LearnerProgress,
     LeaseClosed,
+    LeaseOutcome,
+    PolicyVersion,
     ScoredGroup,
 )
 from echo2.rundir import RunDir
@@ -98,7 +102,7 @@ class Buffer(Actor):
         # Groups still stored when the run ends were never trained: say so, so the audit
         # can tell them from lost ones.
         for g in self._store:
-            self.ctx.ledger("unconsumed", task=g.group.task_id, version=g.group.version)
+            self.ctx.ledger(ledger.Unconsumed(task=g.group.task_id, version=g.group.version))
 
     # -- checkpoint ------------------------------------------------------------------
 
@@ -166,19 +170,19 @@ class Buffer(Actor):
         self._store.extendleft(reversed(again))
         self.counters["groups_trained"] -= len(again)  # back in the store, not trained
         for g in again:
-            self.ctx.ledger("requeued", task=g.group.task_id, version=g.group.version)
+            self.ctx.ledger(ledger.Requeued(task=g.group.task_id, version=g.group.version))
         self.ctx.log.info(
             "learner incarnation %d resumes at version %d: %d groups requeued",
             request.incarnation, request.version, len(again),
         )  # fmt: skip
 
-    def statistics(self) -> dict[str, float]:
-        return {
+    def statistics(self) -> BufferStats:
+        return BufferStats(
             **self.counters,
-            **{f"dropped_{reason}": n for reason, n in self.dropped.items()},
-            "stored_now": len(self._store),
-            "learner_version": self._learner_version,
-        }
+            dropped=dict(self.dropped),
+            stored_now=len(self._store),
+            learner_version=self._learner_version,
+        )
 
     async def run(self) -> None:
         await run_until_stopped(
@@ -190,19 +194,21 @@ class Buffer(Actor):
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
-    def _admissible(self, version: int, incarnation: int) -> bool:
-        if incarnation < self._incarnation and version > self._resumed_from:
+    def _admissible(self, made_by: PolicyVersion) -> bool:
+        if made_by.incarnation < self._incarnation and made_by.version > self._resumed_from:
             return False  # made by weights of a crashed learner's lost future
-        return version >= self._learner_version - self.job.staleness
+        return made_by.version >= self._learner_version - self.job.staleness
 
-    async def _close(self, group: ScoredGroup, outcome: str) -> None:
+    async def _close(self, group: ScoredGroup, outcome: LeaseOutcome, reason: str = "") -> None:
         g = group.group
         if outcome == "stored":
-            self.ctx.ledger("accepted", task=g.task_id, lease=g.lease_id, version=g.version, sampler=g.sampler_id)
+            self.ctx.ledger(ledger.Accepted(task=g.task_id, lease=g.lease_id, version=g.version, sampler=g.sampler_id))
         else:
-            self.ctx.ledger("rejected", task=g.task_id, lease=g.lease_id, version=g.version, reason=outcome)
+            self.ctx.ledger(
+                ledger.Rejected(task=g.task_id, lease=g.lease_id, version=g.version, outcome=outcome, reason=reason)
+            )
         await self._completions.send(
-            LeaseClosed(lease_id=g.lease_id, task_id=g.task_id, attempt=g.attempt, outcome=outcome)
+            LeaseClosed(lease_id=g.lease_id, task_id=g.task_id, attempt=g.attempt, outcome=outcome, reason=reason)
         )
 
     async def _receive_scored(self) -> None:
@@ -223,11 +229,11 @@ class Buffer(Actor):
         elif scored.dropped_reason:
             self._drop(scored.dropped_reason)
             self._seen_tasks.add(g.task_id)
-            await self._close(scored, f"dropped:{scored.dropped_reason}")
-        elif not self._admissible(g.version, g.incarnation):
+            await self._close(scored, "dropped", scored.dropped_reason)
+        elif not self._admissible(g.policy_version):
             self._drop("stale")
             self._seen_tasks.add(g.task_id)
-            await self._close(scored, "dropped:stale")
+            await self._close(scored, "dropped", "stale")
         else:
             self._store.append(scored)
             self._seen_tasks.add(g.task_id)
@@ -237,7 +243,9 @@ class Buffer(Actor):
             await self._close(scored, "stored")
             if len(self._store) > self.config.max_groups:
                 evicted = self._store.popleft()
-                self.ctx.ledger("dropped", task=evicted.group.task_id, reason="overflow")
+                self.ctx.ledger(
+                    ledger.Dropped(task=evicted.group.task_id, reason="overflow", version=evicted.group.version)
+                )
                 self._drop("overflow")
                 self.counters["groups_dropped_after_store"] += 1
 
@@ -246,12 +254,13 @@ class Buffer(Actor):
             for message in await self._control.recv_many():
                 if not isinstance(message, ExpireLease):
                     continue
+                outcome: LeaseOutcome
                 if message.lease_id in self._stored_leases:
                     outcome = "stored"
                 else:
                     self._expired_leases.add(message.lease_id)
                     outcome = "expired"
-                    self.ctx.ledger("lease_expired", task=message.task_id, lease=message.lease_id)
+                    self.ctx.ledger(ledger.LeaseExpired(task=message.task_id, lease=message.lease_id))
                 await self._completions.send(
                     LeaseClosed(
                         lease_id=message.lease_id,
@@ -278,10 +287,10 @@ class Buffer(Actor):
     def _evict_stale(self) -> int:
         kept: deque[ScoredGroup] = deque()
         for g in self._store:
-            if self._admissible(g.group.version, g.group.incarnation):
+            if self._admissible(g.group.policy_version):
                 kept.append(g)
             else:
-                self.ctx.ledger("dropped", task=g.group.task_id, reason="stale", version=g.group.version)
+                self.ctx.ledger(ledger.Dropped(task=g.group.task_id, reason="stale", version=g.group.version))
         evicted = len(self._store) - len(kept)
         if evicted:
             self._store = kept
@@ -301,21 +310,21 @@ class Buffer(Actor):
         self._pending = None
         groups = [self._store.popleft() for _ in range(request.num_groups)]
         for g in groups:
-            self.ctx.ledger("handed", task=g.group.task_id, version=g.group.version, request_version=request.version)
+            self.ctx.ledger(
+                ledger.Handed(task=g.group.task_id, version=g.group.version, request_version=request.version)
+            )
             self._retained.append((request.version, g))
         while len(self._retained) > self.config.max_groups:  # no checkpoints: bound the memory
             self._retained.popleft()
         self.counters["groups_trained"] += len(groups)
         self.counters["batches_served"] += 1
-        stats = {**self.counters, **{f"dropped_{k}": v for k, v in self.dropped.items()}}
-        await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer_stats=stats))
+        await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)
 
     async def _report_progress(self, next_version: int) -> None:
         await self._completions.send(
             LearnerProgress(
                 next_version=next_version,
-                groups_stored=self.counters["groups_stored"],
                 groups_trained=self.counters["groups_trained"],
                 groups_dropped_after_store=self.counters["groups_dropped_after_store"],
                 delivered_by_sampler=dict(self.delivered_by_sampler),

@@ -42,8 +42,9 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from msgspec import Meta
 
+from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port
-from echo2.messages import Batch, BatchRequest, LearnerCheckpointed, ScoredGroup, Snapshot
+from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
 from echo2.rundir import RunDir
 from echo2.tasks.base import load_job_task
 from echo2.weights.chunks import flatten_tensors
@@ -160,27 +161,27 @@ class Learner(Actor):
         self.wait_s = 0.0
         self.train_s = 0.0
         self.evals: list[tuple[int, float]] = []
-        self.buffer_stats: dict[str, int] = {}
+        self.buffer_stats: BufferStats | None = None  # the Buffer's counters with the last batch
         self._request_id = 0
         self._recent_train_s: deque[float] = deque(maxlen=20)
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
         self.published_at_s = 0.0
 
-    def statistics(self) -> dict[str, float]:
+    def statistics(self) -> LearnerStats:
         busy = self.wait_s + self.train_s
-        return {
-            "version": self.version,
-            "rollouts_trained": self.rollouts_trained,
-            "bubble_ratio": self.wait_s / busy if busy else 0.0,
-            "staleness_max": max(self.staleness, default=0),
+        return LearnerStats(
+            version=self.version,
+            rollouts_trained=self.rollouts_trained,
+            bubble_ratio=self.wait_s / busy if busy else 0.0,
+            staleness_max=max(self.staleness, default=0),
             # capacity model inputs (the PromptSource's scheduler reads them from heartbeats)
-            "train_s_mean": sum(self._recent_train_s) / len(self._recent_train_s) if self._recent_train_s else 0.0,
-            "step_s_mean": sum(self._recent_step_s) / len(self._recent_step_s) if self._recent_step_s else 0.0,
-            "kappa": self.kappa,
-            "published_version": self.published_version,
-            "published_at_s": self.published_at_s,
-        }
+            train_s_mean=_mean(self._recent_train_s),
+            step_s_mean=_mean(self._recent_step_s),
+            kappa=self.kappa,
+            published_version=self.published_version,
+            published_at_s=self.published_at_s,
+        )
 
     # -- main loop -------------------------------------------------------------------
 
@@ -205,7 +206,7 @@ class Learner(Actor):
             self.train_s += record["train_s"]
             self._recent_train_s.append(record["train_s"])
             self._recent_step_s.append(wait_s + record["train_s"])
-            self.buffer_stats = batch.buffer_stats
+            self.buffer_stats = batch.buffer
             self.version += 1
             if self.version % self.kappa == 0:
                 await self._publish()
@@ -270,11 +271,12 @@ class Learner(Actor):
                 self.trained_twice += 1
             self.trained_tasks.add(task_id)
             self.ctx.ledger(
-                "trained",
-                task=task_id,
-                version=g.version,
-                learner_version=self.version,
-                incarnation=self.incarnation,
+                ledger.Trained(
+                    task=task_id,
+                    version=g.version,
+                    learner_version=self.version,
+                    incarnation=self.incarnation,
+                )
             )
             lag = self.version - g.version
             staleness.append(lag)
@@ -440,7 +442,7 @@ class Learner(Actor):
         # mistaken for ours: a new incarnation orders after every old one.
         self.incarnation = previous + 1
         self.ctx.ledger(
-            "resumed", incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version
+            ledger.Resumed(incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version)
         )
         self.ctx.log.info("resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation)
 
@@ -466,9 +468,7 @@ class Learner(Actor):
             "rollouts_trained": self.rollouts_trained,
             "rollouts_trained_twice": self.trained_twice,
             "groups_trained": len(self.trained_tasks),
-            "drops_by_reason": {
-                k.removeprefix("dropped_"): v for k, v in self.buffer_stats.items() if k.startswith("dropped_")
-            },
+            "drops_by_reason": dict(self.buffer_stats.dropped) if self.buffer_stats is not None else {},
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
             "steps_per_s": round(self.version / wall_s, 3) if wall_s > 0 else 0.0,
             "rollouts_per_s": round(self.rollouts_trained / wall_s, 1) if wall_s > 0 else 0.0,
@@ -487,6 +487,10 @@ class Learner(Actor):
         if self.ctx.run_dir is not None:
             path = RunDir(self.ctx.run_dir).summary_path
             path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _mean(values: deque[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _mismatch_by_sampler(behaviour: Any, logp: Any, mask: Any, samplers: list[str]) -> dict[str, float]:

@@ -47,15 +47,19 @@ from typing import Annotated, ClassVar
 
 from msgspec import Meta
 
+from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.messages import (
+    HEARTBEAT_TOPIC,
+    INSTALLED_TOPIC,
     PROTOCOL_VERSION,
     ExpireLease,
     Heartbeat,
     Hello,
     LearnerProgress,
     LeaseClosed,
+    PromptSourceStats,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -185,7 +189,7 @@ class PromptSource(Actor):
         self._tasks_ep = ctx.open("tasks")
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
-        self._telemetry = ctx.open("telemetry", subscribe=[b"hb|", b"installed|"])
+        self._telemetry = ctx.open("telemetry", subscribe=[HEARTBEAT_TOPIC, INSTALLED_TOPIC])
         if ctx.resume:
             self._load_state()
 
@@ -237,14 +241,14 @@ class PromptSource(Actor):
         if hasattr(self, "_leases"):
             self._save_state()
 
-    def statistics(self) -> dict[str, float]:
-        return {
+    def statistics(self) -> PromptSourceStats:
+        return PromptSourceStats(
             **self.counters,
-            "open_leases": len(self._leases),
-            "inflight": self._inflight(),
-            "active_samplers": len(self._decision.active) if self._decision else 0,
-            "dollars_spent": self.dollars_spent,
-        }
+            open_leases=len(self._leases),
+            inflight=self._inflight(),
+            active_samplers=len(self._decision.active) if self._decision else 0,
+            dollars_spent=self.dollars_spent,
+        )
 
     def _inflight(self) -> int:
         return len(self._leases) + self._stored - self._trained - self._dropped_after_store
@@ -278,11 +282,9 @@ class PromptSource(Actor):
         while True:
             for message in await self._telemetry.recv_many():
                 if isinstance(message, Heartbeat):
-                    self.scheduler.observe_heartbeat(time.monotonic(), message.stats)
+                    self.scheduler.observe_heartbeat(time.monotonic(), message.actor_stats)
                 elif isinstance(message, WeightsInstalled):
-                    self.scheduler.observe_install(
-                        message.sampler_id, message.version, message.time_s, message.install_s
-                    )
+                    self.scheduler.observe_install(message.sampler_id, message.version, message.time_s)
 
     async def _schedule(self) -> None:
         interval = self.config.activation_interval_s
@@ -364,7 +366,9 @@ class PromptSource(Actor):
         if lease is None:
             return  # already settled (e.g. a repeated answer to a repeated ExpireLease)
         del self._leases[closed.lease_id]
-        self.ctx.ledger("lease_closed", task=closed.task_id, lease=closed.lease_id, outcome=closed.outcome)
+        self.ctx.ledger(
+            ledger.LeaseClosed(task=closed.task_id, lease=closed.lease_id, outcome=closed.outcome, reason=closed.reason)
+        )
         if closed.outcome == "stored":
             # Counted here, not from LearnerProgress, so that a stored group never leaves
             # the in-flight window before it is trained or dropped.
@@ -376,10 +380,10 @@ class PromptSource(Actor):
                 self._retry.append((lease.prompt, lease.attempt + 1))
             else:
                 self.counters["attempts_exhausted"] += 1
-                self.ctx.ledger("task_abandoned", task=lease.prompt.task_id, attempts=lease.attempt + 1)
+                self.ctx.ledger(ledger.TaskAbandoned(task=lease.prompt.task_id, attempts=lease.attempt + 1))
         elif closed.outcome == "duplicate":
             self.counters["closed_duplicate"] += 1
-        else:
+        elif closed.outcome == "dropped":
             self.counters["closed_dropped"] += 1
 
     async def _expire_leases(self) -> None:
@@ -457,11 +461,12 @@ class PromptSource(Actor):
                         break
                     self._leases[lease.lease_id] = lease
                     self.ctx.ledger(
-                        "leased",
-                        task=prompt.task_id,
-                        lease=lease.lease_id,
-                        attempt=attempt,
-                        sampler=peer.decode(errors="replace"),
+                        ledger.Leased(
+                            task=prompt.task_id,
+                            lease=lease.lease_id,
+                            attempt=attempt,
+                            sampler=peer.decode(errors="replace"),
+                        )
                     )
                     heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
                     self.counters["leases_issued"] += 1

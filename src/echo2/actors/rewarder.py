@@ -14,7 +14,7 @@ Backpressure: at most ``max_concurrent_groups`` groups are scored at once; beyon
 Rewarder stops reading, the PULL queue fills to its HWM and samplers block on send.
 
 Hung reward code: Python cannot kill a thread. A timed-out call keeps its thread; the
-number of such threads is in ``statistics()["stuck_threads"]``, and the pool is replaced
+number of such threads is in ``statistics().stuck_threads``, and the pool is replaced
 once ``max_stuck_threads`` are stuck, so scoring continues at full width.
 
 Shutdown: on ``stopping`` it stops reading and returns; unscored groups' leases expire.
@@ -32,7 +32,7 @@ import numpy as np
 from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.messages import RolloutGroup, ScoredGroup
+from echo2.messages import RewarderStats, RolloutGroup, ScoredGroup
 from echo2.tasks.base import Prompt, load_job_task
 
 
@@ -74,12 +74,8 @@ class Rewarder(Actor):
             max_workers=self.config.threads, thread_name_prefix=f"{self.name}-reward"
         )
 
-    def statistics(self) -> dict[str, float]:
-        return {
-            **self.counters,
-            **{f"item_{k}": v for k, v in self.item_errors.items()},
-            "stuck_threads": self._stuck,
-        }
+    def statistics(self) -> RewarderStats:
+        return RewarderStats(**self.counters, item_errors=dict(self.item_errors), stuck_threads=self._stuck)
 
     async def aclose(self) -> None:
         pool = getattr(self, "_pool", None)

@@ -35,14 +35,16 @@ from typing import Annotated, Any, ClassVar
 import numpy as np
 from msgspec import Meta
 
+from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import TransportError
 from echo2.messages import (
     INSTALLED_TOPIC,
     Hello,
-    LeaseRevoked,
+    PolicyVersion,
     RolloutGroup,
+    SamplerStats,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -145,20 +147,8 @@ class Sampler(Actor):
         self._wake = asyncio.Event()  # work arrived or a version is ready to install
         self._weights_ready = asyncio.Event()
         self._ready: SnapshotAssembler | None = None
-        self._installed: tuple[int, int] | None = None  # (incarnation, version)
-        self._revoked: set[int] = set()
-        self.counters = dict.fromkeys(
-            (
-                "groups_sent",
-                "samples_generated",
-                "tokens_generated",
-                "installs",
-                "manifests_rejected",
-                "corrupt_chunks",
-                "leases_revoked",
-            ),
-            0,
-        )
+        self._installed: PolicyVersion | None = None
+        self.counters = dict.fromkeys(("groups_sent", "samples_generated", "tokens_generated", "installs"), 0)
         self.generate_s = 0.0
         self.wait_weights_s = 0.0
 
@@ -176,26 +166,21 @@ class Sampler(Actor):
         if not reply.accepted:
             raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
 
-    def statistics(self) -> dict[str, float]:
-        version = self._installed[1] if self._installed else -1
+    def statistics(self) -> SamplerStats:
         receiver = getattr(self, "_receiver", None)
-        received = (
-            receiver.statistics()
-            if receiver is not None
-            else dict.fromkeys(("manifests_rejected", "corrupt_chunks", "repair_requests", "chunks_forwarded"), 0)
-        )
-        self.counters["manifests_rejected"] = int(received["manifests_rejected"])
-        self.counters["corrupt_chunks"] = int(received["corrupt_chunks"])
-        return {
+        received = receiver.statistics() if receiver is not None else {}
+        return SamplerStats(
             **self.counters,
-            "weight_repair_requests": received["repair_requests"],
-            "weight_chunks_forwarded": received["chunks_forwarded"],
-            "weight_shm_versions": received.get("shm_versions", 0),
-            "installed_version": version,
-            "generate_s": self.generate_s,
-            "wait_weights_s": self.wait_weights_s,
-            "price_per_hour": self.config.price_per_hour,
-        }
+            manifests_rejected=int(received.get("manifests_rejected", 0)),
+            corrupt_chunks=int(received.get("corrupt_chunks", 0)),
+            weight_repair_requests=int(received.get("repair_requests", 0)),
+            weight_chunks_forwarded=int(received.get("chunks_forwarded", 0)),
+            weight_shm_versions=int(received.get("shm_versions", 0)),
+            installed_version=self._installed.version if self._installed is not None else -1,
+            generate_s=self.generate_s,
+            wait_weights_s=self.wait_weights_s,
+            price_per_hour=self.config.price_per_hour,
+        )
 
     async def aclose(self) -> None:
         engine = getattr(self, "engine", None)
@@ -222,9 +207,6 @@ class Sampler(Actor):
                     self._have_work.set()
                     self._lease_arrived.set()
                     self._wake.set()
-                elif isinstance(message, LeaseRevoked):
-                    self._revoked.add(message.lease_id)
-                    self.counters["leases_revoked"] += 1
 
     async def _receive_weights(self) -> None:
         await self._receiver.run()
@@ -245,18 +227,18 @@ class Sampler(Actor):
         if ready is None:
             return
         started = time.perf_counter()
-        incarnation, version = ready.key
-        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), version)
-        self._installed = (incarnation, version)
+        installed = ready.key
+        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), installed.version)
+        self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
-        await self._receiver.report_installed((incarnation, version), install_s)
+        await self._receiver.report_installed(installed, install_s)
         await self.ctx.publish_telemetry(
             INSTALLED_TOPIC,
             WeightsInstalled(
                 sampler_id=self.name,
-                incarnation=incarnation,
-                version=version,
+                incarnation=installed.incarnation,
+                version=installed.version,
                 install_s=install_s,
                 time_s=time.time(),
             ),
@@ -278,10 +260,6 @@ class Sampler(Actor):
         batch: list[TaskLease] = []
         while self._leases and len(batch) < self.config.max_batch_groups:
             lease = self._leases[0]
-            if lease.lease_id in self._revoked:
-                self._leases.popleft()
-                self._revoked.discard(lease.lease_id)
-                continue
             if batch and _params(lease) != _params(batch[0]):
                 break
             batch.append(self._leases.popleft())
@@ -305,9 +283,9 @@ class Sampler(Actor):
             if not batch:
                 continue
             needed = max(lease.min_version for lease in batch)
-            if self._installed is None or self._installed[1] < needed:
+            if self._installed is None or self._installed.version < needed:
                 started = time.perf_counter()
-                while self._installed is None or self._installed[1] < needed:
+                while self._installed is None or self._installed.version < needed:
                     await self._weights_ready.wait()
                     await self._install_ready()
                 self.wait_weights_s += time.perf_counter() - started
@@ -315,7 +293,7 @@ class Sampler(Actor):
 
     async def _generate_batch(self, batch: list[TaskLease]) -> None:
         assert self._installed is not None
-        incarnation, version = self._installed
+        made_by = self._installed
         first = batch[0]
         params = SamplingParams(temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens)
         prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
@@ -324,9 +302,9 @@ class Sampler(Actor):
         elapsed = time.perf_counter() - started
         self.generate_s += elapsed
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
-            group = _to_group(lease, self.name, incarnation, version, ids, completions, elapsed)
+            group = _to_group(lease, self.name, made_by, ids, completions, elapsed)
             await self._rollouts.send(group)
-            self.ctx.ledger("submitted", task=lease.task_id, lease=lease.lease_id, version=version)
+            self.ctx.ledger(ledger.Submitted(task=lease.task_id, lease=lease.lease_id, version=made_by.version))
             self.counters["groups_sent"] += 1
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
@@ -345,8 +323,7 @@ def _seed_from_name(seed: int, name: str) -> int:
 def _to_group(
     lease: TaskLease,
     sampler_id: str,
-    incarnation: int,
-    version: int,
+    made_by: PolicyVersion,
     prompt_ids: list[int],
     completions: list[Completion],
     generate_s: float,
@@ -359,8 +336,8 @@ def _to_group(
         task_id=lease.task_id,
         attempt=lease.attempt,
         sampler_id=sampler_id,
-        incarnation=incarnation,
-        version=version,
+        incarnation=made_by.incarnation,
+        version=made_by.version,
         prompt=lease.prompt,
         answer=lease.answer,
         prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),

@@ -2,6 +2,7 @@
 
 They use the same contract, sockets and runtime as the RL actors, so a topology made of
 them exercises placement, address derivation, supervision and shutdown without a model.
+Their statistics are ``CustomStats``, the record an actor of one's own reports.
 
 * ``CounterSource`` (``counter_source``): sends ``count`` numbered ``MetricsRecord`` on
   channel ``numbers`` (PUSH, connects), then an end-of-stream marker, and returns (the
@@ -32,7 +33,7 @@ from msgspec import Meta
 from echo2.actor import Actor, ActorConfig, ActorContext, Port
 from echo2.errors import EndOfStream
 from echo2.job import JobConfig
-from echo2.messages import HEARTBEAT_TOPIC, TELEMETRY_CHANNEL, Heartbeat, MetricsRecord
+from echo2.messages import HEARTBEAT_TOPIC, TELEMETRY_CHANNEL, CustomStats, Heartbeat, MetricsRecord
 
 T = TypeVar("T")
 
@@ -95,8 +96,8 @@ class CounterSource(Actor):
             await asyncio.sleep(0)  # a send that never blocks never yields: let others run
         await self._out.send_eos(self.name)
 
-    def statistics(self) -> dict[str, float]:
-        return {"sent": self.sent}
+    def statistics(self) -> CustomStats:
+        return CustomStats(values={"sent": self.sent})
 
 
 class CounterSink(Actor):
@@ -131,8 +132,8 @@ class CounterSink(Actor):
         finally:
             self.ctx.record("received", count=self.received, complete=self.complete)
 
-    def statistics(self) -> dict[str, float]:
-        return {"received": self.received}
+    def statistics(self) -> CustomStats:
+        return CustomStats(values={"received": self.received})
 
 
 class Failing(Actor):
@@ -200,8 +201,8 @@ class HeartbeatSink(Actor):
                     self.seen[beat.process] = beat
                     self.ctx.record("heartbeat", process=beat.process, pid=beat.pid, actors=beat.actors)
 
-    def statistics(self) -> dict[str, float]:
-        return {"processes_seen": len(self.seen)}
+    def statistics(self) -> CustomStats:
+        return CustomStats(values={"processes_seen": len(self.seen)})
 
 
 __all__ = ["CounterSink", "CounterSource", "Failing", "HeartbeatSink", "Idle", "until_stopping"]

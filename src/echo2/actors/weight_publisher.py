@@ -37,7 +37,7 @@ from typing import Annotated, ClassVar
 from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.messages import Snapshot
+from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
 from echo2.weights.chunks import DEFAULT_CHUNK_BYTES, make_manifest
 from echo2.weights.link import LinkSpec
@@ -115,16 +115,31 @@ class WeightPublisher(Actor):
         self.ctx.record("broadcast", **values)
         self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
 
-    def statistics(self) -> dict[str, float]:
-        stats = self.broadcaster.statistics()
-        key = self.broadcaster.latest_key
-        t = stats.pop("t_bcast_s")
-        return {
-            **self.counters,
-            **stats,
-            "latest_version": key[1] if key else -1,
-            "t_bcast_s": t if not math.isnan(t) else -1.0,
-        }
+    def statistics(self) -> PublisherStats:
+        b = self.broadcaster.statistics()
+        latest = self.broadcaster.latest_key
+        t_bcast_s = b["t_bcast_s"]
+        return PublisherStats(
+            snapshots=self.counters["snapshots"],
+            skipped=self.counters["skipped"],
+            published=int(b["published"]),
+            superseded=int(b["superseded"]),
+            chunks_sent=int(b["chunks_sent"]),
+            stream_bytes=int(b["stream_bytes"]),
+            send_failures=int(b["send_failures"]),
+            repair_requests=int(b["repair_requests"]),
+            repair_chunks_sent=int(b["repair_chunks_sent"]),
+            late_joiner_manifests=int(b["late_joiner_manifests"]),
+            unroutable=int(b["unroutable"]),
+            members_expired=int(b["members_expired"]),
+            installs=int(b["installs"]),
+            shm_versions_written=int(b["shm_versions_written"]),
+            shm_failures=int(b["shm_failures"]),
+            members=int(b["members"]),
+            uplink_bytes=int(b["uplink_bytes"]),
+            latest_version=latest.version if latest is not None else -1,
+            t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,
+        )
 
     async def aclose(self) -> None:
         broadcaster = getattr(self, "broadcaster", None)
@@ -139,7 +154,7 @@ class WeightPublisher(Actor):
             batch = [m for m in await self._snapshots.recv_many() if isinstance(m, Snapshot)]
             if not batch:
                 continue
-            newest = max(batch, key=lambda s: (s.incarnation, s.version))
+            newest = max(batch, key=lambda s: s.policy_version)
             self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
             manifest = await asyncio.to_thread(make_manifest, newest, self.config.chunk_bytes)

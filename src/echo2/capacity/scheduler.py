@@ -9,24 +9,23 @@ again at once.
 
 Measured figures (``echo2.capacity.model`` has the formulas):
 
-* ``T_train``: the Learner's ``train_s_mean`` (heartbeat stats), unless declared.
-* ``kappa``: the Learner's ``kappa`` (heartbeat stats), else ``max(1, S - 1)``.
-* ``T_bcast``: a WeightPublisher stat named ``t_bcast_s`` when one exists (the seam for the
-  publisher's own measurement); else the publisher's ``last_publish_s`` (seconds to push a
-  snapshot's manifest and chunks to every subscriber: the transfer) plus the samplers' mean
-  ``install_s`` from ``WeightsInstalled`` (the reload); else 0. Publication to first
-  install (the Learner's ``published_at_s``/``published_version`` stats against the
-  samplers' ``WeightsInstalled``, earliest per version, EMA) is recorded as a diagnostic
-  (``t_first_install_s``), not used. Why not the paper's "until
-  1/gamma of the workers installed it" from install times: a sampler installs only when
-  it starts its next batch (between batches, and only once it has a lease), so install
-  times also measure batch lengths and idle waits for work, not the broadcast; with
-  S > kappa the samplers meanwhile keep generating on the older, still admissible, version
-  (measured: that quantile put the knee about twice too high, and an idle pool's delays
-  exceeded kappa * T_train, making mu_min unreachable). Declared values win.
+* ``T_train``: the Learner's ``train_s_mean`` (its ``LearnerStats``), unless declared.
+* ``kappa``: the Learner's ``kappa`` (its ``LearnerStats``), else ``max(1, S - 1)``.
+* ``T_bcast``: the WeightPublisher's own measurement, ``PublisherStats.t_bcast_s``
+  (publication until ``ceil(active / gamma)`` of the samplers active at publication
+  installed it, reported on the reliable ``weights`` channel), unless declared; 0 until
+  measured. Publication to first install (the Learner's ``published_at_s`` and
+  ``published_version`` against the samplers' ``WeightsInstalled``, earliest per version,
+  EMA) is recorded as a diagnostic (``t_first_install_s``), not used. Why not the paper's
+  "until 1/gamma of the workers installed it" from the install times heard here: a
+  sampler installs only when it starts its next batch (between batches, and only once it
+  has a lease), so install times also measure batch lengths and idle waits for work, not
+  the broadcast; with S > kappa the samplers meanwhile keep generating on the older,
+  still admissible, version (measured: that quantile put the knee about twice too high,
+  and an idle pool's delays exceeded kappa * T_train, making mu_min unreachable).
 * ``mu_i``: delivered rollouts per second *of generation*: the sampler's generation rate
-  over the last ``mu_window_s`` (``samples_generated`` / ``generate_s`` from its heartbeat
-  stats) times the fraction of its rollouts the Buffer stored (``delivered_by_sampler``).
+  over the last ``mu_window_s`` (``samples_generated`` / ``generate_s`` of its
+  ``SamplerStats``) times the fraction of its rollouts the Buffer stored (``delivered_by_sampler``).
   Deviation from the paper's "moving average of delivered rollouts/s": in an
   over-provisioned pool the raw delivery rate measures the learner's demand split among
   the workers, not what each could deliver, so it cannot tell the scheduler whom to park.
@@ -35,6 +34,10 @@ Measured figures (``echo2.capacity.model`` has the formulas):
 * availability: a sampler whose heartbeat is older than ``heartbeat_timeout_s`` is gone
   (dropped from the active set at once; its leases expire at the source); a new one joins
   parked and is folded in by the next decision.
+
+Heartbeats carry one typed record per actor (``Heartbeat.actor_stats``); the scheduler
+dispatches on the record's type and ignores the records it has no use for, including
+``CustomStats`` of actors of one's own, whatever their values are named.
 
 Policies: ``"all"`` (every available sampler: what echo2 did before), ``"cost_aware"``
 (``ActivationController``: greedy by rho with hysteresis), ``"random"`` (same controller,
@@ -48,10 +51,12 @@ import math
 import random
 import statistics as stats_mod
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from echo2.capacity.model import ActivationController, Worker, cost_per_step, mu_min, mu_target, staleness_bound
+from echo2.messages import LearnerStats, PublisherStats, SamplerStats, Statistics
 
 ActivationPolicy = Literal["all", "cost_aware", "random"]
 POLICIES: tuple[ActivationPolicy, ...] = get_args(ActivationPolicy)
@@ -180,43 +185,39 @@ class Scheduler:
         self._installs: dict[int, dict[str, float]] = {}  # version -> sampler -> unix seconds
         self._t_bcast_ema: float | None = None
         self._bcast_done: set[int] = set()
-        self._publish_s: float | None = None
-        self._install_s_ema: float | None = None
 
     # -- measurements ------------------------------------------------------------------
 
-    def observe_heartbeat(self, now_s: float, stats: dict[str, float]) -> None:
-        """One process's ``Heartbeat.stats`` ("<actor>.<key>" -> number)."""
-        by_actor: dict[str, dict[str, float]] = {}
-        for key, value in stats.items():
-            actor, sep, name = key.rpartition(".")
-            if sep:
-                by_actor.setdefault(actor, {})[name] = value
-        for actor, values in by_actor.items():
-            if "price_per_hour" in values and "generate_s" in values:  # a sampler
-                self._observe_sampler(now_s, actor, values)
-            if "train_s_mean" in values:  # the learner
-                if values["train_s_mean"] > 0:
-                    self._t_train_s = values["train_s_mean"]
-                if values.get("kappa", 0) >= 1:
-                    self._kappa = int(values["kappa"])
-                version, at = values.get("published_version", -1), values.get("published_at_s", 0.0)
-                if version >= 0 and at > 0:
-                    self._published_at[int(version)] = at
-            if values.get("t_bcast_s", 0) > 0 and "train_s_mean" not in values:  # the publisher's seam
-                self._publisher_t_bcast_s = values["t_bcast_s"]
-            if "last_publish_s" in values and values.get("published", 0) > 0:  # the publisher
-                self._publish_s = values["last_publish_s"]
+    def observe_heartbeat(self, now_s: float, actor_stats: Mapping[str, Statistics]) -> None:
+        """One process's ``Heartbeat.actor_stats`` (actor name -> statistics record)."""
+        for actor, stats in actor_stats.items():
+            match stats:
+                case SamplerStats():
+                    self._observe_sampler(now_s, actor, stats)
+                case LearnerStats():
+                    self._observe_learner(stats)
+                case PublisherStats(t_bcast_s=t_bcast_s) if t_bcast_s > 0:
+                    self._publisher_t_bcast_s = t_bcast_s
+                case _:
+                    pass  # the other actors' records carry nothing the scheduler uses
 
-    def _observe_sampler(self, now_s: float, sampler_id: str, values: dict[str, float]) -> None:
+    def _observe_learner(self, stats: LearnerStats) -> None:
+        if stats.train_s_mean > 0:
+            self._t_train_s = stats.train_s_mean
+        if stats.kappa >= 1:
+            self._kappa = stats.kappa
+        if stats.published_version >= 0 and stats.published_at_s > 0:
+            self._published_at[stats.published_version] = stats.published_at_s
+
+    def _observe_sampler(self, now_s: float, sampler_id: str, stats: SamplerStats) -> None:
         state = self._samplers.get(sampler_id)
         if state is None:
             state = self._samplers[sampler_id] = _SamplerState(sampler_id)
             if self._first_seen_s is None:
                 self._first_seen_s = now_s
         state.last_seen_s = max(state.last_seen_s, now_s)
-        state.price_per_hour = max(0.0, values.get("price_per_hour", 0.0))
-        generated, busy = values.get("samples_generated", 0.0), values.get("generate_s", 0.0)
+        state.price_per_hour = max(0.0, stats.price_per_hour)
+        generated, busy = float(stats.samples_generated), stats.generate_s
         state.samples_generated = generated
         state.samples.append((now_s, generated, busy))
         while len(state.samples) > 2 and state.samples[0][0] < now_s - self.mu_window_s:
@@ -242,12 +243,8 @@ class Scheduler:
             if state is not None:
                 state.delivered = max(state.delivered, int(n))
 
-    def observe_install(self, sampler_id: str, version: int, time_s: float, install_s: float = 0.0) -> None:
-        """A ``WeightsInstalled``: ``sampler_id`` installed ``version`` at unix ``time_s``,
-        which took ``install_s`` seconds."""
-        if install_s >= 0:
-            prev = self._install_s_ema
-            self._install_s_ema = install_s if prev is None else 0.9 * prev + 0.1 * install_s
+    def observe_install(self, sampler_id: str, version: int, time_s: float) -> None:
+        """A ``WeightsInstalled``: ``sampler_id`` installed ``version`` at unix ``time_s``."""
         self._installs.setdefault(version, {})[sampler_id] = time_s
         self._update_t_bcast(version)
         for old in [v for v in self._installs if v < version - 16]:
@@ -278,8 +275,6 @@ class Scheduler:
             return self.declared_t_bcast_s
         if self._publisher_t_bcast_s is not None:
             return self._publisher_t_bcast_s
-        if self._publish_s is not None:
-            return self._publish_s + (self._install_s_ema or 0.0)
         return 0.0
 
     @property

@@ -3,8 +3,8 @@
     python -m echo2.audit RUN_DIR [RUN_DIR ...] [--json]
 
 Several run directories (one per host of a multi-host run) are merged. Reads
-``ledger/*.jsonl`` (written by the actors through ``ActorContext.ledger``) and the budget
-``S`` from ``topology.resolved.json``. Exit status 0 when the accounting holds, 1 on any
+``ledger/*.jsonl`` (the events of ``echo2.ledger``, written by the actors through
+``ActorContext.ledger``) and the budget ``S`` from ``topology.resolved.json``. Exit status 0 when the accounting holds, 1 on any
 violation, 2 when a directory holds no ledger.
 
 Per task (one prompt's group), the Buffer decides exactly once: ``accepted`` or
@@ -30,12 +30,13 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import assert_never
 
-from echo2.rundir import RunDir, read_jsonl_files
+from echo2 import ledger
+from echo2.rundir import RunDir
 
 VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "late_accepted")
 
@@ -59,17 +60,12 @@ class AuditReport:
     late_accepted: list[str] = field(default_factory=list)
     staleness_budget: int | None = None
     identity_holds: bool = True
+    unreadable_lines: list[str] = field(default_factory=list)
+    """Complete lines that are no ledger event (``file:line: why``); reported, not counted."""
 
     @property
     def ok(self) -> bool:
         return self.identity_holds and not any(getattr(self, name) for name in VIOLATIONS)
-
-
-def read_events(run_dirs: Sequence[Path]) -> Iterator[dict[str, Any]]:
-    for run_dir in run_dirs:
-        for event in read_jsonl_files(RunDir(run_dir).ledger_paths()):
-            if "ev" in event:
-                yield event
 
 
 def _budget(run_dirs: Sequence[Path]) -> int | None:
@@ -82,6 +78,8 @@ def _budget(run_dirs: Sequence[Path]) -> int | None:
 
 def audit(run_dirs: Sequence[Path]) -> AuditReport:
     report = AuditReport(staleness_budget=_budget(run_dirs))
+    contents = ledger.read(run_dirs)
+    report.unreadable_lines = contents.unknown_lines
     leased: set[str] = set()
     accepted: dict[str, int] = {}  # task -> lease
     expired_leases: set[int] = set()
@@ -95,41 +93,42 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     accepted_order: list[tuple[str, int]] = []
     # A resumed learner restarts from a checkpoint: what an older incarnation trained after
     # that point died with it (the Buffer requeues those groups), so it does not count.
-    void_from = {
-        int(e["previous_incarnation"]): int(e["from_version"]) for e in read_events(run_dirs) if e["ev"] == "resumed"
-    }
+    void_from = {e.previous_incarnation: e.from_version for e in contents.events if isinstance(e, ledger.Resumed)}
 
-    for e in read_events(run_dirs):
-        ev, task = e["ev"], e.get("task")
-        if ev == "leased":
-            leased.add(task)
-            report.leases_issued += 1
-        elif ev == "accepted":
-            accepted[task] = e["lease"]
-            accepted_order.append((task, e["lease"]))
-        elif ev == "rejected":
-            rejected[str(e.get("reason", "?"))] += 1
-        elif ev == "lease_expired":
-            expired_leases.add(e["lease"])
-        elif ev == "dropped":
-            dropped[task] = e.get("reason", "?")
-            drop_reasons[dropped[task]] += 1
-        elif ev == "unconsumed":
-            unconsumed.add(task)
-        elif ev == "handed":
-            handed[task] = int(e.get("request_version", -1))
-        elif ev == "trained":
-            incarnation = int(e.get("incarnation", 0))
-            if incarnation in void_from and int(e["learner_version"]) >= void_from[incarnation]:
-                report.voided_by_resume += 1
-                continue
-            trained[task] += 1
-            last_trained_version = max(last_trained_version, int(e["learner_version"]))
-            budget = report.staleness_budget
-            if budget is not None and int(e["learner_version"]) - int(e["version"]) > budget:
-                report.stale_trained.append(task)
-        elif ev == "task_abandoned":
-            report.abandoned += 1
+    for e in contents.events:
+        match e:
+            case ledger.Leased():
+                leased.add(e.task)
+                report.leases_issued += 1
+            case ledger.Accepted():
+                accepted[e.task] = e.lease
+                accepted_order.append((e.task, e.lease))
+            case ledger.Rejected():
+                rejected[e.label] += 1
+            case ledger.LeaseExpired():
+                expired_leases.add(e.lease)
+            case ledger.Dropped():
+                dropped[e.task] = e.reason
+                drop_reasons[e.reason] += 1
+            case ledger.Unconsumed():
+                unconsumed.add(e.task)
+            case ledger.Handed():
+                handed[e.task] = e.request_version
+            case ledger.Trained():
+                if e.incarnation in void_from and e.learner_version >= void_from[e.incarnation]:
+                    report.voided_by_resume += 1
+                    continue
+                trained[e.task] += 1
+                last_trained_version = max(last_trained_version, e.learner_version)
+                budget = report.staleness_budget
+                if budget is not None and e.learner_version - e.version > budget:
+                    report.stale_trained.append(e.task)
+            case ledger.TaskAbandoned():
+                report.abandoned += 1
+            case ledger.Submitted() | ledger.LeaseClosed() | ledger.Requeued() | ledger.Resumed():
+                pass  # the trail around the decisions above; they settle the accounting
+            case _:
+                assert_never(e)  # a new event must be given a meaning here
 
     report.leased_tasks = len(leased)
     report.accepted = len(accepted)
@@ -168,6 +167,8 @@ def _summary_lines(report: AuditReport) -> list[str]:
     for name in VIOLATIONS:
         items = getattr(report, name)
         lines.append(f"{name}: {len(items)}" + (f" (e.g. {', '.join(items[:5])})" if items else ""))
+    if report.unreadable_lines:
+        lines.append(f"unreadable ledger lines: {len(report.unreadable_lines)} (e.g. {report.unreadable_lines[0]})")
     lines.append("accounting identity: " + ("holds" if report.identity_holds else "VIOLATED"))
     lines.append("audit: OK" if report.ok else "audit: FAILED")
     return lines

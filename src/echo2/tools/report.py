@@ -113,7 +113,7 @@ def load_run(run_dir: Path) -> RunData:
     best: tuple[int, str, list[dict[str, Any]], int] | None = None
     for path in run.metrics_paths():
         try:
-            records, skipped = read_jsonl(path)
+            records, skipped, _ = read_jsonl(path)
         except OSError as exc:
             data.notes.append(f"`{path.relative_to(run.root)}` could not be read ({exc.strerror}).")
             continue

@@ -15,7 +15,9 @@ from typing import Any
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
+    NO_VERSION,
     ChunkRequest,
+    PolicyVersion,
     RelayChain,
     RelayPlan,
     Snapshot,
@@ -40,7 +42,6 @@ from echo2.weights.plan import (
     MODES,
     NO_LINK,
     ChunkSender,
-    Key,
     bcast_threshold,
     chunk_sender,
     relay_plan,
@@ -58,7 +59,7 @@ class _Member:
     address: str
     last_seen_s: float
     manifest_sent_s: float = 0.0
-    installed: Key = (-1, -1)
+    installed: PolicyVersion = NO_VERSION
     shm_id: str = ""
 
 
@@ -73,8 +74,8 @@ class _Version:
     shm_path: str | None = None
 
     @property
-    def key(self) -> Key:
-        return (self.manifest.incarnation, self.manifest.version)
+    def key(self) -> PolicyVersion:
+        return self.manifest.policy_version
 
 
 Fault = Callable[[str, WeightChunk], WeightChunk | None]
@@ -128,7 +129,7 @@ class WeightBroadcaster:
         self.shm_dir = shm_dir
         self.shm_id = shm_identity(shm_dir)
         self._shm_files: list[str] = []
-        self.t_bcast: dict[Key, float] = {}
+        self.t_bcast: dict[PolicyVersion, float] = {}
         self.last_t_bcast_s = float("nan")
         self.counters = dict.fromkeys(
             (
@@ -171,17 +172,17 @@ class WeightBroadcaster:
             await self._changed.wait_for(lambda: len(self._members) >= count)
         return self.members()
 
-    async def wait_bcast(self, key: Key) -> float:
+    async def wait_bcast(self, key: PolicyVersion) -> float:
         async with self._changed:
             await self._changed.wait_for(lambda: key in self.t_bcast)
         return self.t_bcast[key]
 
-    async def wait_installed(self, key: Key, count: int) -> None:
+    async def wait_installed(self, key: PolicyVersion, count: int) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count)
 
     @property
-    def latest_key(self) -> Key | None:
+    def latest_key(self) -> PolicyVersion | None:
         return self._latest.key if self._latest is not None else None
 
     def statistics(self) -> dict[str, float]:
@@ -232,7 +233,7 @@ class WeightBroadcaster:
             self._members[message.sampler_id] = member
         member.last_seen_s = now
         member.shm_id = message.shm_id
-        member.installed = max(member.installed, (message.incarnation, message.installed_version))
+        member.installed = max(member.installed, message.installed)
         latest = self._latest
         if latest is None or member.installed >= latest.key:
             return
@@ -248,7 +249,7 @@ class WeightBroadcaster:
                 await self._send(peer, latest.manifest)
 
     def _on_installed(self, message: WeightsInstalled) -> None:
-        key = (message.incarnation, message.version)
+        key = message.policy_version
         self.counters["installs"] += 1
         member = self._members.get(message.sampler_id)
         if member is not None:
@@ -266,8 +267,8 @@ class WeightBroadcaster:
             if self._on_bcast is not None:
                 self._on_bcast(
                     {
-                        "incarnation": key[0],
-                        "version": key[1],
+                        "incarnation": key.incarnation,
+                        "version": key.version,
                         "t_bcast_s": version.t_bcast_s,
                         "installed": done,
                         "active": len(version.active),
@@ -312,7 +313,7 @@ class WeightBroadcaster:
         """The file holding ``version`` in shared memory, written on first need; None if
         it cannot be written (members then get chunks instead)."""
         if version.shm_path is None and self.shm_dir is not None:
-            name = f"echo2-weights-{os.getpid()}-{os.urandom(4).hex()}-{version.key[0]}-{version.key[1]}"
+            name = f"echo2-weights-{os.getpid()}-{os.urandom(4).hex()}-{version.key.incarnation}-{version.key.version}"
             # Listed before it exists, so that it is removed even if this stream is
             # superseded (cancelled) while the write goes on in its thread.
             self._shm_files.append(os.path.join(self.shm_dir, name))
@@ -321,7 +322,11 @@ class WeightBroadcaster:
             except OSError as exc:
                 self.counters["shm_failures"] += 1
                 log.warning(
-                    "%s: cannot write v%d to %s (%s); repairing instead", self.name, version.key[1], self.shm_dir, exc
+                    "%s: cannot write v%d to %s (%s); repairing instead",
+                    self.name,
+                    version.key.version,
+                    self.shm_dir,
+                    exc,
                 )
                 return None
             version.shm_path = path
@@ -351,8 +356,8 @@ class WeightBroadcaster:
         stripes, chains = relay_plan(remote, self.mode, self.stripes)
         addresses = {n: self._members[n].address for n in remote}
         plan = RelayPlan(
-            incarnation=version.key[0],
-            version=version.key[1],
+            incarnation=version.key.incarnation,
+            version=version.key.version,
             stripes=stripes,
             chains=chains,
             addresses=addresses,
@@ -381,7 +386,7 @@ class WeightBroadcaster:
         cannot be put in shared memory the manifest goes alone: the member, in no chain,
         then repairs the version from the publisher."""
         path = await self._shm_path(version)
-        offer = WeightShm(incarnation=version.key[0], version=version.key[1], path=path) if path else None
+        offer = WeightShm(incarnation=version.key.incarnation, version=version.key.version, path=path) if path else None
         if offer is None or await self._send(member.peer, offer):
             await self._send(member.peer, version.manifest)
 
@@ -432,8 +437,8 @@ class WeightBroadcaster:
             version = self._latest
             if version is None:
                 continue
-            if (request.incarnation, request.version) != version.key:
-                if (request.incarnation, request.version) < version.key:
+            if request.policy_version != version.key:
+                if request.policy_version < version.key:
                     await self._send(peer, version.manifest)  # move on to the latest
                 continue
             data = version.snapshot.data
@@ -445,8 +450,8 @@ class WeightBroadcaster:
                 if self._latest is not version:
                     break
                 chunk = WeightChunk(
-                    incarnation=version.key[0],
-                    version=version.key[1],
+                    incarnation=version.key.incarnation,
+                    version=version.key.version,
                     index=index,
                     data=data[index * size : (index + 1) * size],
                 )

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 import blake3
 import numpy as np
 
-from echo2.messages import Snapshot, TensorSpec, WeightChunk, WeightManifest
+from echo2.messages import PolicyVersion, Snapshot, TensorSpec, WeightChunk, WeightManifest
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
@@ -149,6 +149,8 @@ class SnapshotAssembler:
         assembler from now on); by default a fresh allocation."""
         check_manifest(manifest)
         self.manifest = manifest
+        self.key: PolicyVersion = manifest.policy_version
+        """The version being assembled."""
         if buffer is None:
             buffer = np.empty(manifest.total_bytes, dtype=np.uint8)
         elif buffer.dtype != np.uint8 or buffer.shape != (manifest.total_bytes,):
@@ -161,10 +163,6 @@ class SnapshotAssembler:
         self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.manifest.incarnation, self.manifest.version)
 
     @property
     def complete(self) -> bool:
@@ -219,7 +217,7 @@ class SnapshotAssembler:
     def _in_place(self, chunk: WeightChunk) -> bool:
         """Whether ``chunk``'s data is its own region of the buffer (same memory)."""
         m = self.manifest
-        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+        if chunk.policy_version != self.key or not 0 <= chunk.index < len(self._have):
             return False
         start = chunk.index * m.chunk_bytes
         return (
@@ -237,7 +235,7 @@ class SnapshotAssembler:
         different chunks (hashing releases the GIL).
         """
         m = self.manifest
-        if (chunk.incarnation, chunk.version) != self.key or not 0 <= chunk.index < len(self._have):
+        if chunk.policy_version != self.key or not 0 <= chunk.index < len(self._have):
             return "foreign"
         index = chunk.index
         start = index * m.chunk_bytes

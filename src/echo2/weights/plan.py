@@ -32,7 +32,6 @@ from echo2.weights.stream import (
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]
 RelayMode = Literal["star", "relay", "striped"]
 """Who the publisher streams to: every sampler, the head of one chain, or of several."""
 MODES: tuple[RelayMode, ...] = get_args(RelayMode)

@@ -17,7 +17,9 @@ import numpy as np
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
+    NO_VERSION,
     ChunkRequest,
+    PolicyVersion,
     RelayPlan,
     WeightChunk,
     WeightManifest,
@@ -44,7 +46,6 @@ from echo2.weights.plan import (
     NO_LINK,
     RELAY_HWM,
     ChunkSender,
-    Key,
     announce_url,
     chunk_sender,
     max_message_bytes,
@@ -103,7 +104,7 @@ class WeightReceiver:
         self.data_plane = data_plane
         self.shm_id = shm_identity(shm_dir)
         self._shm_offer: WeightShm | None = None
-        self._shm_key: Key | None = None  # the last version taken from shared memory
+        self._shm_key: PolicyVersion | None = None  # the last version taken from shared memory
         self._verify_manifest = verify_manifest
         self.prefault_next = prefault_next
         self._spare: np.ndarray | None = None
@@ -129,13 +130,13 @@ class WeightReceiver:
         self.relay_address = ""
         self._assembler: SnapshotAssembler | None = None
         self._progress = _Progress(time.monotonic())
-        self._complete_key: Key | None = None
-        self._installed_key: Key | None = None
+        self._complete_key: PolicyVersion | None = None
+        self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
         self._successors: dict[int, str] = {}
         self._dead_successors: set[str] = set()
-        self._early: dict[Key, list[WeightChunk]] = {}
-        self._forward: asyncio.Queue[tuple[Key, str, WeightChunk]] = asyncio.Queue()
+        self._early: dict[PolicyVersion, list[WeightChunk]] = {}
+        self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
         self._slots = asyncio.Semaphore(verify_threads)
@@ -222,7 +223,7 @@ class WeightReceiver:
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
 
-    def _stream_destination(self, key: Key, index: int, nbytes: int) -> np.ndarray | None:
+    def _stream_destination(self, key: PolicyVersion, index: int, nbytes: int) -> np.ndarray | None:
         assembler = self._assembler
         if assembler is None or assembler.key != key:
             return None  # early, stale or foreign: read into its own buffer
@@ -236,14 +237,14 @@ class WeightReceiver:
     # -- queries ---------------------------------------------------------------------
 
     @property
-    def assembling(self) -> Key | None:
+    def assembling(self) -> PolicyVersion | None:
         return self._assembler.key if self._assembler is not None else None
 
     @property
-    def complete_key(self) -> Key | None:
+    def complete_key(self) -> PolicyVersion | None:
         return self._complete_key
 
-    def newest(self) -> Key | None:
+    def newest(self) -> PolicyVersion | None:
         keys = [k for k in (self._complete_key, self.assembling, self._installed_key) if k is not None]
         return max(keys) if keys else None
 
@@ -256,14 +257,14 @@ class WeightReceiver:
             "downlink_bytes": self._downlink.bytes,
         }
 
-    async def report_installed(self, key: Key, install_s: float) -> None:
+    async def report_installed(self, key: PolicyVersion, install_s: float) -> None:
         """Tell the publisher this version is installed (T_bcast counts it)."""
         self._installed_key = key if self._installed_key is None else max(key, self._installed_key)
         await self._control.send(
             WeightsInstalled(
                 sampler_id=self.name,
-                incarnation=key[0],
-                version=key[1],
+                incarnation=key.incarnation,
+                version=key.version,
                 install_s=install_s,
                 time_s=time.time(),
             )
@@ -334,7 +335,7 @@ class WeightReceiver:
             self._slots.release()
 
     def _on_plan(self, plan: RelayPlan) -> None:
-        key = (plan.incarnation, plan.version)
+        key = plan.policy_version
         newest = self.newest()
         if newest is not None and key < newest:
             return
@@ -347,7 +348,7 @@ class WeightReceiver:
         plan, assembler = self._plan, self._assembler
         self._successors = {}
         self._dead_successors = set()
-        if plan is None or assembler is None or (plan.incarnation, plan.version) != assembler.key:
+        if plan is None or assembler is None or plan.policy_version != assembler.key:
             return
         for chain in plan.chains:
             if self.name in chain.members:
@@ -361,16 +362,14 @@ class WeightReceiver:
         for index in assembler.held():
             self._queue_forward(assembler, index, None)
 
-    def _in_plan(self, key: Key) -> bool:
+    def _in_plan(self, key: PolicyVersion) -> bool:
         plan = self._plan
         return (
-            plan is not None
-            and (plan.incarnation, plan.version) == key
-            and any(self.name in chain.members for chain in plan.chains)
+            plan is not None and plan.policy_version == key and any(self.name in chain.members for chain in plan.chains)
         )
 
     async def _on_manifest(self, manifest: WeightManifest) -> None:
-        key = (manifest.incarnation, manifest.version)
+        key = manifest.policy_version
         newest = self.newest()
         if newest is not None and key <= newest:
             self.counters["manifests_stale"] += 1
@@ -404,7 +403,7 @@ class WeightReceiver:
     def _map_offered(self, manifest: WeightManifest) -> np.ndarray | None:
         """The version's bytes mapped from shared memory, if the publisher offered them."""
         offer, self._shm_offer = self._shm_offer, None
-        if offer is None or (offer.incarnation, offer.version) != (manifest.incarnation, manifest.version):
+        if offer is None or offer.policy_version != manifest.policy_version:
             return None
         try:
             return map_snapshot(offer.path, manifest.total_bytes)
@@ -431,7 +430,7 @@ class WeightReceiver:
         assembler = self._assembler
         mine = []
         for chunk in chunks:
-            key = (chunk.incarnation, chunk.version)
+            key = chunk.policy_version
             if assembler is not None and key == assembler.key:
                 mine.append(chunk)
                 continue
@@ -484,7 +483,7 @@ class WeightReceiver:
             self._delay is not None
             or self._downlink.capped
             or assembler is None
-            or (chunk.incarnation, chunk.version) != assembler.key
+            or chunk.policy_version != assembler.key
         ):
             self._landed.put_nowait(chunk)
             return
@@ -575,13 +574,13 @@ class WeightReceiver:
 
     async def _announce_loop(self) -> None:
         while True:
-            installed = self._installed_key or (-1, -1)
+            installed = self._installed_key or NO_VERSION
             await self._control.send(
                 WeightSubscribe(
                     sampler_id=self.name,
                     relay_address=self.relay_address,
-                    incarnation=installed[0],
-                    installed_version=installed[1],
+                    incarnation=installed.incarnation,
+                    installed_version=installed.version,
                     shm_id=self.shm_id,
                 )
             )
@@ -609,12 +608,11 @@ class WeightReceiver:
         self._progress.requested_s = time.monotonic()
         self.counters["repair_requests"] += 1
         self.counters["repair_chunks_requested"] += len(missing)
-        incarnation, version = assembler.key
         await self._control.send(
             ChunkRequest(
                 sampler_id=self.name,
-                incarnation=incarnation,
-                version=version,
+                incarnation=assembler.key.incarnation,
+                version=assembler.key.version,
                 indices=missing,
             )
         )

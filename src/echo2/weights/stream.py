@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from echo2.errors import ClosedError, TransportError
-from echo2.messages import WeightChunk
+from echo2.messages import PolicyVersion, WeightChunk
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ MAGIC = b"E2CK"
 FORMAT = 1
 HEADER = struct.Struct("<4sB3xqqqQ")
 
-Destination = Callable[[tuple[int, int], int, int], "np.ndarray | None"]
-"""(key, index, nbytes) -> the uint8 memory to receive that chunk into, or None (the
+Destination = Callable[[PolicyVersion, int, int], "np.ndarray | None"]
+"""(version, index, nbytes) -> the uint8 memory to receive that chunk into, or None (the
 receiver then reads it into a fresh buffer). Memory handed out is returned either as a
 delivered chunk or through ``abandon`` (connection lost mid-body)."""
 
@@ -123,8 +123,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.close()
             self._got = 0
             return
-        key = (incarnation, version)
-        target = server._destination(key, index, nbytes)
+        target = server._destination(PolicyVersion(incarnation, version), index, nbytes)
         if target is None:
             target = np.empty(nbytes, dtype=np.uint8)
             server.counters["chunks_copied"] += 1
