@@ -57,27 +57,27 @@ class LedgerEvent(msgspec.Struct, tag_field="ev", tag=_event_name, frozen=True, 
     """Base of ledger events (not itself written)."""
 
 
-class Leased(LedgerEvent):
+class Leased(LedgerEvent, frozen=True):
     task: str
     lease: int
     attempt: int
     sampler: str
 
 
-class Submitted(LedgerEvent):
+class Submitted(LedgerEvent, frozen=True):
     task: str
     lease: int
     version: int
 
 
-class Accepted(LedgerEvent):
+class Accepted(LedgerEvent, frozen=True):
     task: str
     lease: int
     version: int
     sampler: str
 
 
-class Rejected(LedgerEvent):
+class Rejected(LedgerEvent, frozen=True):
     task: str
     lease: int
     version: int
@@ -91,36 +91,36 @@ class Rejected(LedgerEvent):
         return f"{self.outcome}:{self.reason}" if self.reason else self.outcome
 
 
-class LeaseExpired(LedgerEvent):
+class LeaseExpired(LedgerEvent, frozen=True):
     task: str
     lease: int
 
 
-class LeaseClosed(LedgerEvent):
+class LeaseClosed(LedgerEvent, frozen=True):
     task: str
     lease: int
     outcome: LeaseOutcome
     reason: str = ""
 
 
-class TaskAbandoned(LedgerEvent):
+class TaskAbandoned(LedgerEvent, frozen=True):
     task: str
     attempts: int
 
 
-class Handed(LedgerEvent):
+class Handed(LedgerEvent, frozen=True):
     task: str
     version: int
     request_version: int
     """The learner version of the batch request the group answered."""
 
 
-class Requeued(LedgerEvent):
+class Requeued(LedgerEvent, frozen=True):
     task: str
     version: int
 
 
-class Trained(LedgerEvent):
+class Trained(LedgerEvent, frozen=True):
     task: str
     version: int
     """Policy version that generated the group."""
@@ -130,18 +130,18 @@ class Trained(LedgerEvent):
     """The learner's incarnation (a resumed learner voids its predecessor's later steps)."""
 
 
-class Dropped(LedgerEvent):
+class Dropped(LedgerEvent, frozen=True):
     task: str
     reason: DroppedReason
     version: int
 
 
-class Unconsumed(LedgerEvent):
+class Unconsumed(LedgerEvent, frozen=True):
     task: str
     version: int
 
 
-class Resumed(LedgerEvent):
+class Resumed(LedgerEvent, frozen=True):
     incarnation: int
     previous_incarnation: int
     from_version: int
@@ -163,7 +163,7 @@ AnyLedgerEvent = (
     | Unconsumed
     | Resumed
 )
-EVENT_TYPES: tuple[type[LedgerEvent], ...] = AnyLedgerEvent.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: tuple[type[LedgerEvent], ...] = AnyLedgerEvent.__args__
 EVENT_NAMES: tuple[str, ...] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)
 """The event names (``"ev"``), one per record type."""
 

@@ -82,7 +82,7 @@ class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
 # -- control -------------------------------------------------------------------------
 
 
-class Hello(Message):
+class Hello(Message, frozen=True):
     """First message a client sends on a request/reply channel (DEALER -> ROUTER)."""
 
     peer_id: str
@@ -92,7 +92,7 @@ class Hello(Message):
     host: str = ""
 
 
-class Welcome(Message):
+class Welcome(Message, frozen=True):
     """Answer to ``Hello``: accepted, or refused with a reason the client logs and exits on."""
 
     server_id: str
@@ -101,7 +101,7 @@ class Welcome(Message):
     protocol_version: int = PROTOCOL_VERSION
 
 
-class EndOfStreamMsg(Message):
+class EndOfStreamMsg(Message, frozen=True):
     """A producer will send nothing more on this channel."""
 
     producer_id: str
@@ -115,7 +115,7 @@ class Statistics(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
     since the actor started; ``*_s`` fields are seconds."""
 
 
-class LearnerStats(Statistics):
+class LearnerStats(Statistics, frozen=True):
     """The Learner's progress and the capacity model's inputs (the scheduler reads them)."""
 
     version: int = 0
@@ -134,7 +134,7 @@ class LearnerStats(Statistics):
     """Unix seconds at which ``published_version`` was handed to the publisher."""
 
 
-class SamplerStats(Statistics):
+class SamplerStats(Statistics, frozen=True):
     """A Sampler's generation counters, its weight path and its price."""
 
     groups_sent: int = 0
@@ -154,7 +154,7 @@ class SamplerStats(Statistics):
     """Dollars per hour this worker costs (cost-aware activation)."""
 
 
-class BufferStats(Statistics):
+class BufferStats(Statistics, frozen=True):
     """The Buffer's accounting (also sent with every ``Batch``)."""
 
     groups_stored: int = 0
@@ -168,7 +168,7 @@ class BufferStats(Statistics):
     learner_version: int = 0
 
 
-class PromptSourceStats(Statistics):
+class PromptSourceStats(Statistics, frozen=True):
     """The PromptSource's lease counters, in-flight window and activation."""
 
     leases_issued: int = 0
@@ -187,7 +187,7 @@ class PromptSourceStats(Statistics):
     dollars_spent: float = 0.0
 
 
-class RewarderStats(Statistics):
+class RewarderStats(Statistics, frozen=True):
     """The Rewarder's scoring counters."""
 
     groups_scored: int = 0
@@ -198,7 +198,7 @@ class RewarderStats(Statistics):
     stuck_threads: int = 0
 
 
-class PublisherStats(Statistics):
+class PublisherStats(Statistics, frozen=True):
     """The WeightPublisher's snapshots and its broadcaster's counters."""
 
     snapshots: int = 0
@@ -224,7 +224,7 @@ class PublisherStats(Statistics):
     """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
 
 
-class CustomStats(Statistics):
+class CustomStats(Statistics, frozen=True):
     """Statistics of an actor of your own: ``statistics()`` returns
     ``CustomStats(values={"name": number, ...})``. echo2 carries them and reads none."""
 
@@ -234,7 +234,7 @@ class CustomStats(Statistics):
 ActorStats = (
     LearnerStats | SamplerStats | BufferStats | PromptSourceStats | RewarderStats | PublisherStats | CustomStats
 )
-STATISTICS_TYPES: tuple[type[Statistics], ...] = ActorStats.__args__  # type: ignore[attr-defined]
+STATISTICS_TYPES: tuple[type[Statistics], ...] = ActorStats.__args__
 
 
 class EndpointHealth(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -244,7 +244,7 @@ class EndpointHealth(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dropped: int = 0
 
 
-class Heartbeat(Message):
+class Heartbeat(Message, frozen=True):
     """Application heartbeat on the telemetry topic: proves the event loop is alive.
 
     ``loop_lag_s`` is how late the heartbeat timer fired; a stuck loop shows up as a missing
@@ -264,7 +264,7 @@ class Heartbeat(Message):
     endpoints: dict[str, EndpointHealth] = {}
 
 
-class MetricsRecord(Message):
+class MetricsRecord(Message, frozen=True):
     """A structured metrics event (one JSON line in the run directory)."""
 
     source: str
@@ -276,14 +276,14 @@ class MetricsRecord(Message):
 # -- work: PromptSource <-> Sampler --------------------------------------------------
 
 
-class WorkRequest(Message):
+class WorkRequest(Message, frozen=True):
     """A sampler grants ``credits`` more tasks of work (credit-based flow control)."""
 
     sampler_id: str
     credits: int
 
 
-class TaskLease(Message):
+class TaskLease(Message, frozen=True):
     """One prompt to sample ``group_size`` times, leased until ``deadline_s`` from issue.
 
     ``attempt`` counts issues of the same task; ``lease_id`` is unique per issue. A result is
@@ -308,7 +308,7 @@ class TaskLease(Message):
 # -- rollouts: Sampler -> Rewarder -> Buffer ------------------------------------------
 
 
-class RolloutGroup(Message, _Versioned):
+class RolloutGroup(Message, _Versioned, frozen=True):
     """G completions of one leased prompt, as ragged arrays.
 
     Sample ``i`` owns ``token_ids[offsets[i]:offsets[i+1]]`` and the same slice of
@@ -337,7 +337,7 @@ class RolloutGroup(Message, _Versioned):
         return len(self.offsets) - 1
 
 
-class ScoredGroup(Message):
+class ScoredGroup(Message, frozen=True):
     """A rollout group with one reward per completion, or the reason it was dropped.
 
     ``keep`` marks completions whose reward could be computed; a completion whose reward
@@ -352,7 +352,7 @@ class ScoredGroup(Message):
     reward_s: float = 0.0
 
 
-class ExpireLease(Message):
+class ExpireLease(Message, frozen=True):
     """PromptSource -> Buffer: the lease's deadline passed. The Buffer decides, once, whether
     the group was already stored (``LeaseClosed(outcome="stored")``) or the lease is now
     expired (``outcome="expired"``; later results for it are rejected as late), so a task is
@@ -363,7 +363,7 @@ class ExpireLease(Message):
     attempt: int
 
 
-class LearnerProgress(Message):
+class LearnerProgress(Message, frozen=True):
     """Buffer -> PromptSource after each batch: cumulative counters that pace issuance.
     (Stored groups are not among them: the PromptSource counts those from ``LeaseClosed``,
     so that a stored group never leaves its in-flight window before it is trained.)"""
@@ -375,7 +375,7 @@ class LearnerProgress(Message):
     """Rollouts each sampler has had stored, cumulative (the scheduler's mu_i)."""
 
 
-class LeaseClosed(Message):
+class LeaseClosed(Message, frozen=True):
     """Buffer -> PromptSource: the lease is done, with what happened to the group
     (``LeaseOutcome``); ``reason`` says why a group was ``dropped`` ("" otherwise)."""
 
@@ -389,7 +389,7 @@ class LeaseClosed(Message):
 # -- batches: Learner <-> Buffer ------------------------------------------------------
 
 
-class BatchRequest(Message, _Versioned):
+class BatchRequest(Message, _Versioned, frozen=True):
     """The learner at ``version`` asks for ``num_groups`` admissible groups."""
 
     request_id: int
@@ -398,7 +398,7 @@ class BatchRequest(Message, _Versioned):
     num_groups: int
 
 
-class Batch(Message):
+class Batch(Message, frozen=True):
     """Admissible groups for a ``BatchRequest``, with the buffer's counters at reply time."""
 
     request_id: int
@@ -406,7 +406,7 @@ class Batch(Message):
     buffer: BufferStats | None = None
 
 
-class LearnerCheckpointed(Message, _Versioned):
+class LearnerCheckpointed(Message, _Versioned, frozen=True):
     """Learner -> Buffer: a checkpoint at ``version`` is on disk. Groups handed for earlier
     versions are durable in the model; later ones are kept until the next checkpoint, so a
     resumed learner trains them again instead of losing them."""
@@ -428,7 +428,7 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
-class Snapshot(Message, _Versioned):
+class Snapshot(Message, _Versioned, frozen=True):
     """Learner -> WeightPublisher: an immutable copy of the policy, flat, with its layout.
 
     In one process this travels over inproc without a copy: ``data`` is referenced, and the
@@ -442,7 +442,7 @@ class Snapshot(Message, _Versioned):
     created_at_s: float
 
 
-class WeightManifest(Message, _Versioned):
+class WeightManifest(Message, _Versioned, frozen=True):
     """Describes one snapshot: layout, chunking and digests (``digest_algorithm``: echo2
     publishes "blake3"; "sha256", the field's default for peers that leave it out, and
     "blake2b-256" are also accepted)."""
@@ -460,7 +460,7 @@ class WeightManifest(Message, _Versioned):
     """Ed25519 over ``echo2.weights.signing.signed_payload`` when signing is on."""
 
 
-class WeightChunk(Message, _Versioned):
+class WeightChunk(Message, _Versioned, frozen=True):
     """Bytes ``[index * chunk_bytes, ...)`` of snapshot (incarnation, version)."""
 
     incarnation: int
@@ -469,7 +469,7 @@ class WeightChunk(Message, _Versioned):
     data: np.ndarray  # uint8 (<= chunk_bytes,)
 
 
-class WeightsInstalled(Message, _Versioned):
+class WeightsInstalled(Message, _Versioned, frozen=True):
     """A sampler installed a version (telemetry; T_bcast is measured from these)."""
 
     sampler_id: str
@@ -479,7 +479,7 @@ class WeightsInstalled(Message, _Versioned):
     time_s: float
 
 
-class WeightSubscribe(Message):
+class WeightSubscribe(Message, frozen=True):
     """Sampler -> WeightPublisher on ``weights`` (DEALER -> ROUTER), repeated as a lease:
     "I am alive, send versions to me; my relay inbox (PULL) is at ``relay_address``"."""
 
@@ -505,7 +505,7 @@ class RelayChain(msgspec.Struct, frozen=True, array_like=True):
     members: list[str]
 
 
-class RelayPlan(Message, _Versioned):
+class RelayPlan(Message, _Versioned, frozen=True):
     """WeightPublisher -> each member, before the manifest of (incarnation, version).
 
     Chunk ``i`` belongs to stripe ``i % stripes``. A star is ``stripes = 1`` with one chain
@@ -521,7 +521,7 @@ class RelayPlan(Message, _Versioned):
     addresses: dict[str, str] = {}
 
 
-class WeightShm(Message, _Versioned):
+class WeightShm(Message, _Versioned, frozen=True):
     """WeightPublisher -> a member sharing its host, before the manifest: the version's
     bytes are in the file ``path`` (shared memory); map it and verify it there instead of
     waiting for a stream. The member is in no relay chain for this version."""
@@ -531,7 +531,7 @@ class WeightShm(Message, _Versioned):
     path: str
 
 
-class ChunkRequest(Message, _Versioned):
+class ChunkRequest(Message, _Versioned, frozen=True):
     """Repair: a sampler asks for chunks it lacks (missing or corrupt) of a version."""
 
     sampler_id: str
@@ -566,4 +566,4 @@ AnyMessage = (
     | WeightShm
 )
 
-MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__  # type: ignore[attr-defined]
+MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__

@@ -49,7 +49,7 @@ from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
 
 
-class BufferConfig(ActorConfig):
+class BufferConfig(ActorConfig, frozen=True):
     max_groups: Annotated[int, Meta(ge=1)] = 4096
     """Most groups held; beyond it the oldest are dropped as ``overflow`` (a safety net:
     the PromptSource's window normally keeps the store far smaller)."""
@@ -66,7 +66,7 @@ class Buffer(Actor):
     }
     config: BufferConfig
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._store: deque[ScoredGroup] = deque()
         self._seen_tasks: set[str] = set()  # stored or trained task ids

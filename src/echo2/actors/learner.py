@@ -50,7 +50,7 @@ from echo2.tasks.base import load_job_task
 from echo2.weights.chunks import flatten_tensors
 
 
-class LearnerConfig(ActorConfig):
+class LearnerConfig(ActorConfig, frozen=True):
     max_steps: Annotated[int, Meta(ge=0)] = 300
     """Optimizer steps to train; reaching it completes the run."""
     max_wall_s: Annotated[float, Meta(ge=0)] = 0.0
@@ -117,7 +117,7 @@ class Learner(Actor):
     def kappa(self) -> int:
         return self.config.kappa or max(1, self.job.staleness - 1)
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         await asyncio.to_thread(self._build)
         if ctx.resume:

@@ -69,7 +69,7 @@ from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task
 
 
-class PromptSourceConfig(ActorConfig):
+class PromptSourceConfig(ActorConfig, frozen=True):
     lease_ttl_s: Annotated[float, Meta(gt=0)] = 60.0
     """Seconds a sampler has to deliver a scored group before the task is re-issued."""
     max_attempts: Annotated[int, Meta(ge=1)] = 5
@@ -183,7 +183,7 @@ class PromptSource(Actor):
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self.setup_state()
         self._tasks_ep = ctx.open("tasks")

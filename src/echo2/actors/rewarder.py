@@ -36,7 +36,7 @@ from echo2.messages import RewarderStats, RolloutGroup, ScoredGroup
 from echo2.tasks.base import Prompt, load_job_task
 
 
-class RewarderConfig(ActorConfig):
+class RewarderConfig(ActorConfig, frozen=True):
     item_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds one completion's reward call may take before it counts as timed out."""
     threads: Annotated[int, Meta(ge=1)] = 4
@@ -58,7 +58,7 @@ class Rewarder(Actor):
     }
     config: RewarderConfig
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._task = load_job_task(self.job)
         self._pool = self._new_pool()
@@ -164,7 +164,7 @@ class Rewarder(Actor):
             self._pool = self._new_pool()
 
 
-def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:
     """(reward, "") or (0.0, reason): user reward code may raise or return garbage."""
     try:
         reward = reward_fn(prompt, completion)

@@ -57,7 +57,7 @@ from echo2.weights.link import LinkSpec
 from echo2.weights.plan import DataPlane
 
 
-class SamplerConfig(ActorConfig):
+class SamplerConfig(ActorConfig, frozen=True):
     engine: EngineKind = "torch"
     """Engine kind: "torch" (built-in or Hugging Face model, pure torch), "hf" (same, HF
     only), "vllm" (extra echo2[vllm]) or "simulated" (no compute, for scale tests)."""
@@ -110,7 +110,7 @@ class Sampler(Actor):
     def torch_weight(cls, config: SamplerConfig) -> float:  # type: ignore[override]
         return 1.0 if config.engine in ("torch", "hf", "vllm") else 0.0
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         kwargs = dict(self.config.engine_kwargs)
         kind = self.config.engine
@@ -350,7 +350,7 @@ def _to_group(
     )
 
 
-def _manifest_verifier(public_key_path: str):  # type: ignore[no-untyped-def]
+def _manifest_verifier(public_key_path: str):
     if not public_key_path:
         return None
     from echo2.weights.signing import ManifestVerifier

@@ -65,7 +65,7 @@ async def until_stopping(stopping: asyncio.Event, awaitable: Awaitable[T]) -> tu
 class CounterSource(Actor):
     kind = "counter_source"
 
-    class Config(ActorConfig):
+    class Config(ActorConfig, frozen=True):
         count: Annotated[int, Meta(ge=0)] = 100
         """Messages to send in total."""
         batch: Annotated[int, Meta(ge=1)] = 1
@@ -104,7 +104,7 @@ class CounterSink(Actor):
     kind = "counter_sink"
     completes_run = True
 
-    class Config(ActorConfig):
+    class Config(ActorConfig, frozen=True):
         expected_producers: Annotated[int, Meta(ge=1)] = 1
         """End-of-stream markers to wait for before the run is complete."""
 
@@ -139,7 +139,7 @@ class CounterSink(Actor):
 class Failing(Actor):
     kind = "failing"
 
-    class Config(ActorConfig):
+    class Config(ActorConfig, frozen=True):
         after_s: Annotated[float, Meta(ge=0)] = 0.0
         """Seconds after run() starts at which the actor raises."""
         message: str = "boom"
@@ -158,7 +158,7 @@ class Failing(Actor):
 class Idle(Actor):
     kind = "idle"
 
-    class Config(ActorConfig):
+    class Config(ActorConfig, frozen=True):
         torch_weight: Annotated[float, Meta(ge=0)] = 0.0
         """Pretend share of the host's cores for torch (thread allocation tests)."""
         ignore_stop: bool = False

@@ -44,7 +44,7 @@ from echo2.weights.link import LinkSpec
 from echo2.weights.plan import RelayMode
 
 
-class WeightPublisherConfig(ActorConfig):
+class WeightPublisherConfig(ActorConfig, frozen=True):
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
     mode: RelayMode = "relay"
@@ -86,7 +86,7 @@ class WeightPublisher(Actor):
     }
     config: WeightPublisherConfig
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._signer = None
         if self.config.signing_key:
@@ -111,7 +111,7 @@ class WeightPublisher(Actor):
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 
-    def _on_bcast(self, values: dict) -> None:  # type: ignore[type-arg]
+    def _on_bcast(self, values: dict) -> None:
         self.ctx.record("broadcast", **values)
         self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
 

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run_loop(coro) -> None:  # type: ignore[no-untyped-def]
+def _run_loop(coro) -> None:
     """asyncio.Runner; uvloop (the ``fast`` extra) when ECHO2_UVLOOP=1 (never uvloop.install)."""
     loop_factory = None
     if os.environ.get("ECHO2_UVLOOP", "0") == "1":
