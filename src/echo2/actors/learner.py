@@ -40,7 +40,7 @@ import json
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
@@ -52,6 +52,9 @@ from echo2.training.accounting import TrainingAccount
 from echo2.weights.chunks import flatten_tensors
 
 if TYPE_CHECKING:
+    from echo2.engines.hf_engine import HFTorchEngine
+    from echo2.engines.torch_engine import TorchEngine
+    from echo2.models.tiny import TinyTransformer
     from echo2.rl.step import StepSettings
     from echo2.training.trainer import Trainer
 
@@ -123,10 +126,11 @@ class Learner(Actor):
     def _build(self) -> None:
         self.trainer = self.build_trainer()
         self.policy = self.trainer.policy
+        self._eval_engine: TorchEngine | HFTorchEngine
         if self.policy.kind == "tiny":
             from echo2.engines.torch_engine import TorchEngine
 
-            self._eval_engine = TorchEngine(model=self.policy.model)
+            self._eval_engine = TorchEngine(model=cast("TinyTransformer", self.policy.model))
         else:
             from echo2.engines.hf_engine import HFTorchEngine
 
@@ -384,7 +388,7 @@ def step_settings(config: LearnerConfig) -> StepSettings:
         clip_eps=config.clip_eps,
         is_cap=config.is_cap,
         kl_beta=config.kl_beta,
-        old_policy=config.old_policy,  # type: ignore[arg-type]  # validated by StepSettings
+        old_policy=config.old_policy,  # StepSettings rejects anything but "sampler" and "learner"
     )
 
 

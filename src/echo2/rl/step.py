@@ -18,7 +18,7 @@ What ``old_policy`` means for the correction:
 Choices and deviations:
 - Advantages are computed over the *kept* completions of a group only (a completion whose
   reward failed is no row and no part of the baseline); the group decides, never the batch.
-- One optimiser step per batch (no PPO epochs, no minibatches): the paper's setting.
+- One optimiser step per batch (no PPO epochs, no minibatches); the paper does not say.
 - The batch may be split over data-parallel ranks (``Share``): each rank scores its rows,
   and the loss is scaled so that gradients averaged over ranks are those of the token mean
   over the *whole* batch; the reported loss and token means are also of the whole batch.
