@@ -22,7 +22,8 @@ import pytest
 
 from echo2.tools.audit import audit
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# ~10-20 s each on two busy cores: in the default suite, since the audit of a DDP run is a floor.
+pytestmark = [pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[1]
 
