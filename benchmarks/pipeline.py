@@ -11,8 +11,9 @@ AdamW lr 3e-4 with the learner's 50-step linear warm-up, gradient clip 1, the le
 (default 300, ``--quick`` 40), cases one after another:
 
 * ``baseline`` (a): :func:`run_baseline`, a minimal loop in this process — sample 16 x 8
-  with a ``TorchEngine`` sharing the trained model, score, group z-score advantages, one
-  optimizer step — with ``torch.set_num_threads(2)``;
+  with a ``TorchEngine`` sharing the trained model, score, then the learner's own step
+  (``echo2.rl.step``: pack with group z-score advantages, one optimizer step) — with
+  ``torch.set_num_threads(2)``;
 * ``colocated`` (b): ``examples/colocated.toml``, all six actors in one process (S = 3);
 * ``multi-S0`` (c): ``examples/sync.toml``, four processes, fully synchronous;
 * ``multi-S3`` (d): ``examples/topology.toml``, four processes, staleness budget S = 3.
@@ -187,13 +188,15 @@ def run_baseline(
 ) -> CaseResult:
     """Train the warm start for ``steps`` GRPO steps in this process, plainly.
 
-    Same job as the learner: ``GROUPS_PER_STEP`` training prompts (the PromptSource's stream
-    ``task.prompts(seed)``), ``GROUP_SIZE`` samples each at temperature 1 from the model
-    being trained, reward, group z-score advantages, ``grpo_loss(logp, logp_sampler,
-    logp_sampler, adv, mask)``, AdamW with warm-up and gradient clipping. Stops after
-    ``steps`` steps or once the training phase has lasted ``max_wall_s`` (0 = no limit).
-    Greedy accuracy on ``heldout(eval_prompts)`` is measured before and after, outside the
-    timed phase. ``torch``'s thread count is set to ``threads`` and restored afterwards.
+    Same job and the same step as the learner: ``GROUPS_PER_STEP`` training prompts (the
+    PromptSource's stream ``task.prompts(seed)``), ``GROUP_SIZE`` samples each at temperature 1
+    from the model being trained, reward, then the learner's own pure step functions:
+    ``echo2.rl.step.pack_groups`` (group z-score advantages) and ``optimiser_step``
+    (``grpo_loss`` with ``old_policy = "sampler"``, AdamW with warm-up and gradient clipping).
+    Stops after ``steps`` steps or once the training phase has lasted ``max_wall_s``
+    (0 = no limit). Greedy accuracy on ``heldout(eval_prompts)`` is measured before and
+    after, outside the timed phase. ``torch``'s thread count is set to ``threads`` and
+    restored afterwards.
     """
     import numpy as np
     import torch
@@ -202,8 +205,8 @@ def run_baseline(
     from echo2.engines.torch_engine import TorchEngine
     from echo2.models import default_checkpoint_dir
     from echo2.models.tiny import TinyTransformer
-    from echo2.rl.grpo import grpo_loss
-    from echo2.rl.logprobs import sequence_logprobs
+    from echo2.models.tokenizer import PAD_ID
+    from echo2.rl.step import StepSettings, optimiser_step, pack_groups
     from echo2.tasks.addition import AdditionTask
 
     if steps < 1:
@@ -217,7 +220,15 @@ def run_baseline(
         model = TinyTransformer.load(default_checkpoint_dir())
         engine = TorchEngine(model=model, seed=seed)  # shares (and samples from) the model
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        settings = StepSettings(
+            lr=LR,
+            warmup_steps=WARMUP_STEPS,
+            grad_clip=GRAD_CLIP,
+            clip_eps=CLIP_EPS,
+            is_cap=IS_CAP,
+            old_policy="sampler",
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
         params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
         stream = task.prompts(seed)
 
@@ -237,41 +248,20 @@ def run_baseline(
             t0 = time.perf_counter()
             batch = [next(stream) for _ in range(GROUPS_PER_STEP)]
             prompt_ids = [engine.encode_prompt(p.text) for p in batch]
-            groups = engine.generate(prompt_ids, GROUP_SIZE, params)
-            prompts, responses, behaviour_lp, advantages = [], [], [], []
-            for prompt, ids, completions in zip(batch, prompt_ids, groups, strict=True):
-                r = np.array([task.reward(prompt, c.text) for c in completions], dtype=np.float64)
-                adv = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else np.zeros_like(r)
-                rewards_seen.extend(r.tolist())
-                for c, a in zip(completions, adv.tolist(), strict=True):
-                    prompts.append(np.asarray(ids, dtype=np.int32))
-                    responses.append(c.token_ids)
-                    behaviour_lp.append(c.logprobs)
-                    advantages.append(a)
-            t1 = time.perf_counter()
-            logp, mask = sequence_logprobs(model, prompts, responses, pad_id=0)  # (B, T)
-            behaviour = torch.zeros_like(logp)  # (B, T)
-            for b, lp in enumerate(behaviour_lp):
-                behaviour[b, : len(lp)] = torch.from_numpy(np.asarray(lp, dtype=np.float32))
-            loss, _ = grpo_loss(
-                logp,
-                behaviour,  # old_policy = "sampler": pi_old is the policy that sampled
-                behaviour,
-                torch.tensor(advantages, dtype=torch.float32),  # (B,)
-                mask,
-                clip_eps=CLIP_EPS,
-                is_cap=IS_CAP,
+            completions = engine.generate(prompt_ids, GROUP_SIZE, params)
+            rows = pack_groups(
+                [
+                    _scored_group(f"{done}.{i}", ids, group, [task.reward(prompt, c.text) for c in group])
+                    for i, (prompt, ids, group) in enumerate(zip(batch, prompt_ids, completions, strict=True))
+                ]
             )
-            for group in optimizer.param_groups:
-                group["lr"] = LR * min(1.0, (done + 1) / max(1, WARMUP_STEPS))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-            optimizer.step()
+            rewards_seen.extend(rows.rewards.tolist())
+            t1 = time.perf_counter()
+            optimiser_step(model, optimizer, rows, settings, version=done, pad_id=PAD_ID)
             t2 = time.perf_counter()
             sample_s += t1 - t0
             train_s += t2 - t1
-            rollouts += len(responses)
+            rollouts += len(rows)
             done += 1
             if log is not None and (done % 50 == 0 or done == steps):
                 log(f"   baseline step {done}: reward {np.mean(rewards_seen[-GROUPS_PER_STEP * GROUP_SIZE :]):.3f}")
@@ -294,6 +284,35 @@ def run_baseline(
         wait_s_per_step=sample_s / done if done else math.nan,
         process_wall_s=time.perf_counter() - started,
         extra={"reward_mean": _num(float(np.mean(rewards_seen)) if rewards_seen else math.nan, 4)},
+    )
+
+
+def _scored_group(task_id: str, prompt_ids: list[int], completions: list[Any], rewards: list[float]) -> Any:
+    """The ``ScoredGroup`` a Sampler and a Rewarder would make of one prompt's completions."""
+    import numpy as np
+
+    from echo2.messages import RolloutGroup, ScoredGroup
+
+    offsets = np.zeros(len(completions) + 1, dtype=np.int32)
+    np.cumsum([len(c.token_ids) for c in completions], out=offsets[1:])
+    group = RolloutGroup(
+        lease_id=0,
+        task_id=task_id,
+        attempt=0,
+        sampler_id="baseline",
+        incarnation=0,
+        version=0,
+        prompt="",
+        answer="",
+        prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+        token_ids=np.concatenate([c.token_ids for c in completions]).astype(np.int32, copy=False),
+        logprobs=np.concatenate([c.logprobs for c in completions]).astype(np.float32, copy=False),
+        offsets=offsets,
+        texts=[c.text for c in completions],
+        finish_reasons=[c.finish_reason for c in completions],
+    )
+    return ScoredGroup(
+        group=group, rewards=np.asarray(rewards, dtype=np.float32), keep=np.ones(len(completions), dtype=bool)
     )
 
 

@@ -89,6 +89,7 @@ ACTORS: Registry[str] = Registry(
         "rewarder": "echo2.actors.rewarder:Rewarder",
         "buffer": "echo2.actors.buffer:Buffer",
         "learner": "echo2.actors.learner:Learner",
+        "distributed_learner": "echo2.actors.distributed_learner:DistributedLearner",
         "weight_publisher": "echo2.actors.weight_publisher:WeightPublisher",
         # small real actors for tests and examples/smoke.toml
         "counter_source": "echo2.actors.testing:CounterSource",

@@ -1,23 +1,26 @@
 """Learner: trains the policy with off-policy GRPO on admissible batches from the Buffer.
 
 Role: the one expensive actor. Each step it asks the Buffer for ``groups_per_step``
-admissible groups (``BatchRequest(version)``), computes group z-score advantages over the
-completions the Rewarder kept, and takes one AdamW step on the loss of
-``echo2.rl.grpo.grpo_loss``. Every ``kappa`` steps (default ``max(1, S - 1)``) it hands an
-immutable snapshot to the WeightPublisher. The time spent waiting for a batch is the
-bubble; the next request is sent before the current step trains, so the transfer overlaps
-compute.
+admissible groups (``BatchRequest(version)``), packs them into training rows
+(``echo2.rl.step.pack_groups``: group z-score advantages over the completions the Rewarder
+kept) and hands the rows to its trainer (``echo2.training``), chosen by configuration:
 
-The variant, exactly (see ``echo2.rl.grpo`` for the loss itself):
+* one AdamW step of ``echo2.rl.step.optimiser_step`` (the variant and every deviation are
+  described there). By default (``old_policy = "sampler"``) pi_old of the PPO ratio is the
+  policy that sampled each rollout: the clip is the trust region around it and the
+  truncated IS weight is 1. With ``old_policy = "learner"`` pi_old is the learner's own
+  policy at the step start: the ratio is 1, the clip inactive, and ``min(pi_learner /
+  pi_sampler, is_cap)`` alone corrects for staleness. Token mean over every response token
+  of the batch, optional ``kl_beta * k3`` to the initial policy, linear warm-up, gradient
+  clipping;
+* a simulated step (``simulated_train_s > 0``): the step sleeps, the weights stay;
+* a step shared over data-parallel ranks (kind ``distributed_learner``, ``echo2.actors.distributed_learner``).
 
-* one optimizer step per batch, so ``pi_old`` is the learner's own policy at the start of
-  the step (``logp_prox = logp.detach()``): the PPO ratio is 1 and the clip inactive, and
-  the off-policy correction is the truncated importance weight
-  ``min(pi_learner / pi_sampler, C)`` per token (ECHO-2 appendix, decoupled PPO);
-* advantages: ``(r - mean_G) / (std_G + 1e-6)`` over the kept completions of each group;
-  a group whose rewards are all equal contributes no gradient;
-* token-mean over every response token in the batch; optional ``kl_beta * k3`` to the
-  initial policy; AdamW with gradient-norm clipping.
+Only once the step has returned are its groups accounted as trained (staleness histogram,
+``trained`` ledger events; ``echo2.training.accounting``), the same way in every mode.
+Every ``kappa`` steps (default ``max(1, S - 1)``) it hands an immutable snapshot to the
+WeightPublisher. The time spent waiting for a batch is the bubble; the next request is
+sent before the current step trains, so the transfer overlaps compute.
 
 Deviations from the paper: none in the objective; the paper's batch is 128 prompts x 16
 samples, the default here is 16 x 8 for the tiny model.
@@ -37,17 +40,26 @@ import json
 import time
 from collections import Counter, deque
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port
+from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
 from echo2.rundir import RunDir
 from echo2.tasks.base import load_job_task
+from echo2.training.accounting import TrainingAccount
 from echo2.weights.chunks import flatten_tensors
+
+if TYPE_CHECKING:
+    from echo2.engines.hf_engine import HFTorchEngine
+    from echo2.engines.torch_engine import TorchEngine
+    from echo2.models.tiny import TinyTransformer
+    from echo2.rl.step import StepSettings
+    from echo2.training.trainer import Trainer
 
 
 class LearnerConfig(ActorConfig, frozen=True):
@@ -126,38 +138,23 @@ class Learner(Actor):
         self._snapshots = ctx.open("snapshots")
 
     def _build(self) -> None:
-        import torch
-
-        from echo2.models.policy import load_policy
-
-        self._torch = torch
-        # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
-        self.policy = load_policy(self.job.model, dtype=self.config.model_dtype, device=self.config.device)
-        self.model = self.policy.model
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
-        )
-        self.reference = None
-        if self.config.kl_beta > 0:
-            self.reference = self.policy.clone().model
+        self.trainer = self.build_trainer()
+        self.policy = self.trainer.policy
+        self._eval_engine: TorchEngine | HFTorchEngine
         if self.policy.kind == "tiny":
             from echo2.engines.torch_engine import TorchEngine
 
-            self._eval_engine = TorchEngine(model=self.model)
+            self._eval_engine = TorchEngine(model=cast("TinyTransformer", self.policy.model))
         else:
             from echo2.engines.hf_engine import HFTorchEngine
 
             self._eval_engine = HFTorchEngine(policy=self.policy)
-        self.model.train()
+        self.policy.model.train()
         self.task = load_job_task(self.job)
         self.heldout = self.task.heldout(self.config.eval_prompts)
         self.version = 0
         self.incarnation = self.config.incarnation
-        self.staleness: Counter[int] = Counter()
-        self.trained_tasks: set[str] = set()
-        self.trained_twice = 0
-        self.rollouts_trained = 0
+        self.account = TrainingAccount()
         self.wait_s = 0.0
         self.train_s = 0.0
         self.evals: list[tuple[int, float]] = []
@@ -167,6 +164,19 @@ class Learner(Actor):
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
         self.published_at_s = 0.0
+
+    def build_trainer(self) -> Trainer:
+        """The trainer of this Learner (the seam a data-parallel Learner wraps)."""
+        return build_trainer(self.job, self.config)
+
+    @property
+    def staleness(self) -> Counter[int]:
+        """learner version - rollout version -> groups trained at that staleness."""
+        return self.account.staleness
+
+    @property
+    def rollouts_trained(self) -> int:
+        return self.account.rollouts_trained
 
     def statistics(self) -> LearnerStats:
         busy = self.wait_s + self.train_s
@@ -238,7 +248,7 @@ class Learner(Actor):
                 return message
 
     async def _publish(self) -> None:
-        tensors = self.policy.wire_tensors()  # unaliased, bf16 as raw uint16
+        tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16
         specs, flat = flatten_tensors(tensors)  # a fresh buffer: never mutated after this
         self.published_version, self.published_at_s = self.version, time.time()
         await self._snapshots.send(
@@ -254,114 +264,24 @@ class Learner(Actor):
     # -- the step (runs in a worker thread so the event loop stays responsive) --------
 
     def _train_step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
-        from echo2.rl.grpo import grpo_loss
-        from echo2.rl.logprobs import sequence_logprobs
+        """Pack, train, then account: the groups count as trained only once the step returned."""
+        from echo2.rl.step import pack_groups
 
-        if self.config.simulated_train_s > 0:
-            return self._simulated_step(groups)
-        torch = self._torch
         started = time.perf_counter()
-        prompts, responses, sampler_lp, advantages, rewards = [], [], [], [], []
-        row_sampler: list[str] = []
-        staleness = []
-        for scored in groups:
-            g = scored.group
-            task_id = g.task_id
-            if task_id in self.trained_tasks:
-                self.trained_twice += 1
-            self.trained_tasks.add(task_id)
-            self.ctx.ledger(
-                ledger.Trained(
-                    task=task_id,
-                    version=g.version,
-                    learner_version=self.version,
-                    incarnation=self.incarnation,
-                )
-            )
-            lag = self.version - g.version
-            staleness.append(lag)
-            self.staleness[lag] += 1
-            kept = np.flatnonzero(scored.keep)
-            r = scored.rewards[kept].astype(np.float64)
-            adv = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 0 else np.zeros_like(r)
-            rewards.extend(r.tolist())
-            for i, a in zip(kept.tolist(), adv.tolist(), strict=True):
-                lo, hi = int(g.offsets[i]), int(g.offsets[i + 1])
-                prompts.append(g.prompt_token_ids)
-                responses.append(g.token_ids[lo:hi])
-                sampler_lp.append(g.logprobs[lo:hi])
-                row_sampler.append(g.sampler_id)
-                advantages.append(a)
-        self.rollouts_trained += len(responses)
-        pad_id = self.policy.tokenizer.pad_id
-        logp, mask = sequence_logprobs(self.model, prompts, responses, pad_id=pad_id)  # (B, T)
-        behaviour = torch.zeros_like(logp)  # (B, T)
-        for b, lp in enumerate(sampler_lp):
-            behaviour[b, : len(lp)] = torch.from_numpy(np.array(lp, dtype=np.float32))
-        logp_ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                logp_ref, _ = sequence_logprobs(self.reference, prompts, responses, pad_id=pad_id)
-        loss, stats = grpo_loss(
-            logp,
-            behaviour if self.config.old_policy == "sampler" else None,
-            behaviour,
-            torch.tensor(advantages, dtype=torch.float32, device=logp.device),  # (B,)
-            mask,
-            clip_eps=self.config.clip_eps,
-            is_cap=self.config.is_cap,
-            kl_beta=self.config.kl_beta,
-            logp_ref=logp_ref,
+        rows = pack_groups(groups)
+        stats = self.trainer.step(rows, self.version)
+        train_s = time.perf_counter() - started
+        lags = self.account.commit(
+            groups, learner_version=self.version, incarnation=self.incarnation, ledger=self.ctx.ledger
         )
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = self.config.lr * min(1.0, (self.version + 1) / max(1, self.config.warmup_steps))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
         return {
-            "train_s": round(time.perf_counter() - started, 5),
-            "loss": float(loss.detach()),
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "rollouts": len(responses),
-            "tokens": int(mask.sum()),
-            "staleness_max": max(staleness),
-            "staleness_mean": float(np.mean(staleness)),
-            "grad_norm": float(grad_norm),
-            "clip_fraction": stats.clip_fraction,
-            "is_weight_mean": stats.is_weight_mean,
-            "is_truncated_fraction": stats.is_truncated_fraction,
-            "approx_kl_sampler": stats.approx_kl_sampler,
-            # Per sampler: mean (sampler log-prob - learner log-prob) per token. Rollouts from
-            # remote workers are claims; a worker whose numbers disagree with the learner's
-            # recomputation (a different model, tampered log-probs) stands out here.
-            "mismatch_by_sampler": _mismatch_by_sampler(behaviour, logp.detach(), mask, row_sampler),
-        }
-
-    def _simulated_step(self, groups: list[ScoredGroup]) -> dict[str, Any]:
-        """Account for the batch like a real step, then sleep ``simulated_train_s``."""
-        started = time.perf_counter()
-        staleness, rewards, rollouts = [], [], 0
-        for scored in groups:
-            g = scored.group
-            if g.task_id in self.trained_tasks:
-                self.trained_twice += 1
-            self.trained_tasks.add(g.task_id)
-            lag = self.version - g.version
-            staleness.append(lag)
-            self.staleness[lag] += 1
-            kept = np.flatnonzero(scored.keep)
-            rewards.extend(scored.rewards[kept].astype(np.float64).tolist())
-            rollouts += len(kept)
-        self.rollouts_trained += rollouts
-        time.sleep(max(0.0, self.config.simulated_train_s - (time.perf_counter() - started)))
-        return {
-            "train_s": round(time.perf_counter() - started, 5),
-            "loss": 0.0,
-            "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
-            "rollouts": rollouts,
-            "staleness_max": max(staleness, default=0),
-            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "train_s": round(train_s, 5),
+            "reward_mean": rows.reward_mean,
+            "rollouts": len(rows),
+            "tokens": rows.tokens,
+            "staleness_max": max(lags, default=0),
+            "staleness_mean": float(np.mean(lags)) if lags else 0.0,
+            **stats.record(),
         }
 
     def evaluate(self) -> float:
@@ -369,7 +289,7 @@ class Learner(Actor):
         engine = self._eval_engine
         ids = [engine.encode_prompt(p.text) for p in self.heldout]
         completions = engine.greedy(ids, max_new_tokens=self.job.max_new_tokens)
-        self.model.train()
+        self.policy.model.train()
         scores = [self.task.reward(p, c.text) for p, c in zip(self.heldout, completions, strict=True)]
         return float(np.mean(scores))
 
@@ -395,21 +315,10 @@ class Learner(Actor):
     def save_checkpoint(self) -> Path | None:
         if self.ctx.run_dir is None:
             return None
-        from safetensors.torch import save_file
-
-        torch = self._torch
         directory = RunDir(self.ctx.run_dir).checkpoint_dir(self.version)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.policy.kind == "tiny":
-            save_file(
-                {k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
-                directory / "model.safetensors",
-            )
-            (directory / "config.json").write_text(self.model.config.to_json())
-        else:
-            self.policy.save(directory)  # save_pretrained: loadable as a model directory
-        torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
-        (directory / "trained_tasks.json").write_text(json.dumps(sorted(self.trained_tasks)))
+        self.trainer.save(directory)
+        (directory / "trained_tasks.json").write_text(json.dumps(sorted(self.account.trained_tasks)))
         # state.json last: its presence marks the checkpoint complete (see _restore).
         (directory / "state.json").write_text(
             json.dumps({"step": self.version, "version": self.version, "incarnation": self.incarnation})
@@ -418,9 +327,6 @@ class Learner(Actor):
 
     def _restore(self) -> None:
         """Continue from the newest complete checkpoint under a new incarnation."""
-        from safetensors.torch import load_file
-
-        torch = self._torch
         run = RunDir(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         complete = [d for d in run.checkpoint_dirs() if (d / "state.json").is_file()] if run is not None else []
         if not complete:
@@ -429,13 +335,10 @@ class Learner(Actor):
             return
         directory = complete[-1]
         state = json.loads((directory / "state.json").read_text())
-        weights = load_file(directory / "model.safetensors")
-        # HF: names without LogitsLM's "hf." prefix; a tied lm_head is not in the file
-        self.policy.core.load_state_dict(weights, strict=self.policy.kind == "tiny")
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.trainer.load(directory)
         trained = directory / "trained_tasks.json"
         if trained.exists():
-            self.trained_tasks = set(json.loads(trained.read_text()))
+            self.account.trained_tasks = set(json.loads(trained.read_text()))
         previous = int(state["incarnation"])
         self.version = int(state["version"])
         # Versions published after this checkpoint by the crashed incarnation must never be
@@ -451,6 +354,7 @@ class Learner(Actor):
             await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=self.version))
 
     async def _finish(self, wall_s: float) -> None:
+        self.trainer.close()
         if not self.evals or self.evals[-1][0] != self.version:
             self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
         await self._checkpoint()
@@ -463,11 +367,7 @@ class Learner(Actor):
             "initial_accuracy": self.evals[0][1],
             "final_accuracy": self.evals[-1][1],
             "accuracy_by_step": [[s, a] for s, a in self.evals],
-            "staleness_max": max(self.staleness, default=0),
-            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
-            "rollouts_trained": self.rollouts_trained,
-            "rollouts_trained_twice": self.trained_twice,
-            "groups_trained": len(self.trained_tasks),
+            **self.account.summary(),
             "drops_by_reason": dict(self.buffer_stats.dropped) if self.buffer_stats is not None else {},
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
             "steps_per_s": round(self.version / wall_s, 3) if wall_s > 0 else 0.0,
@@ -489,16 +389,31 @@ class Learner(Actor):
             path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def step_settings(config: LearnerConfig) -> StepSettings:
+    """The step's hyper-parameters from the Learner's configuration."""
+    from echo2.rl.step import StepSettings
+
+    return StepSettings(
+        lr=config.lr,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        grad_clip=config.grad_clip,
+        clip_eps=config.clip_eps,
+        is_cap=config.is_cap,
+        kl_beta=config.kl_beta,
+        old_policy=config.old_policy,  # StepSettings rejects anything but "sampler" and "learner"
+    )
+
+
+def build_trainer(job: JobConfig, config: LearnerConfig) -> Trainer:
+    """The trainer a Learner with ``config`` uses (every data-parallel rank builds the same)."""
+    from echo2.models.policy import load_policy
+    from echo2.training.trainer import make_trainer
+
+    # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
+    policy = load_policy(job.model, dtype=config.model_dtype, device=config.device)
+    return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s)
+
+
 def _mean(values: deque[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _mismatch_by_sampler(behaviour: Any, logp: Any, mask: Any, samplers: list[str]) -> dict[str, float]:
-    gap = ((behaviour - logp) * mask).sum(dim=1)  # (B,)
-    tokens = mask.sum(dim=1)  # (B,)
-    out: dict[str, list[float]] = {}
-    for sampler, g, n in zip(samplers, gap.tolist(), tokens.tolist(), strict=True):
-        entry = out.setdefault(sampler, [0.0, 0.0])
-        entry[0] += g
-        entry[1] += n
-    return {s: round(total / max(n, 1.0), 6) for s, (total, n) in out.items()}

@@ -1,0 +1,254 @@
+"""One learner step of off-policy GRPO: pack scored groups into rows, take one optimiser step.
+
+Variant (the loss itself is ``echo2.rl.grpo.grpo_loss``):
+
+  pack:   every kept completion of every group is a row b = (prompt, response, behaviour
+          log-probs, A_b, sampler); A = group_advantages over the group's kept rewards
+  step:   logp = log pi_theta(response | prompt)                                  (B, T)
+          pi_old = pi_sampler (old_policy = "sampler", the default) or sg(pi_theta) ("learner")
+          loss = grpo_loss(logp, pi_old, pi_sampler, A, mask)   token mean over the whole batch
+          lr_t = lr * min(1, (t + 1) / warmup_steps);  clip the gradient norm;  one AdamW step
+
+What ``old_policy`` means for the correction:
+- "sampler": the PPO ratio is pi_theta / pi_sampler and its clip is the trust region around
+  the policy that generated the data; the truncated IS weight is exp(0) = 1 (inactive).
+- "learner": one step per batch, so pi_old = sg(pi_theta): the ratio is 1, the clip inactive,
+  and the truncated IS weight min(pi_theta / pi_sampler, C) alone corrects for staleness.
+
+Choices and deviations:
+- Advantages are computed over the *kept* completions of a group only (a completion whose
+  reward failed is no row and no part of the baseline); the group decides, never the batch.
+- One optimiser step per batch (no PPO epochs, no minibatches); the paper does not say.
+- The batch may be split over data-parallel ranks (``Share``): each rank scores its rows,
+  and the loss is scaled so that gradients averaged over ranks are those of the token mean
+  over the *whole* batch; the reported loss and token means are also of the whole batch.
+- Staleness is a property of a group and is accounted per group by the learner, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from echo2.messages import ScoredGroup
+from echo2.rl.grpo import GRPOStats, group_advantages, grpo_loss
+from echo2.rl.logprobs import sequence_logprobs
+
+OldPolicy = Literal["sampler", "learner"]
+OLD_POLICIES: tuple[OldPolicy, ...] = ("sampler", "learner")
+
+
+class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
+    """B training rows, one per kept completion (a Struct so ranks can share it over the codec)."""
+
+    prompts: tuple[np.ndarray, ...]  # B x int32 (P_b,): the group's prompt ids, per row
+    responses: tuple[np.ndarray, ...]  # B x int32 (R_b,)
+    behaviour_logprobs: tuple[np.ndarray, ...]  # B x float32 (R_b,): log pi_sampler per token
+    advantages: np.ndarray  # float32 (B,)
+    rewards: np.ndarray  # float32 (B,)
+    sampler_ids: tuple[str, ...]  # (B,): who sampled each row
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    @property
+    def tokens(self) -> int:
+        """Response tokens in the batch: what the token mean divides by."""
+        return sum(len(r) for r in self.responses)
+
+    @property
+    def reward_mean(self) -> float:
+        return float(self.rewards.astype(np.float64).mean()) if len(self) else 0.0
+
+    def take(self, indices: Sequence[int]) -> TrainingRows:
+        """The rows at ``indices``, in that order (a data-parallel rank's share)."""
+        return TrainingRows(
+            prompts=tuple(self.prompts[i] for i in indices),
+            responses=tuple(self.responses[i] for i in indices),
+            behaviour_logprobs=tuple(self.behaviour_logprobs[i] for i in indices),
+            advantages=self.advantages[list(indices)],
+            rewards=self.rewards[list(indices)],
+            sampler_ids=tuple(self.sampler_ids[i] for i in indices),
+        )
+
+
+def pack_groups(groups: Sequence[ScoredGroup]) -> TrainingRows:
+    """One row per kept completion of each group, with the group's z-score advantage."""
+    prompts, responses, behaviour, samplers = [], [], [], []
+    advantages: list[np.ndarray] = []
+    rewards: list[np.ndarray] = []
+    for scored in groups:
+        g = scored.group
+        kept = np.flatnonzero(scored.keep)  # (K,)
+        if not kept.size:
+            continue
+        r = scored.rewards[kept].astype(np.float32)  # (K,)
+        a = group_advantages(torch.from_numpy(r.astype(np.float64))[None, :])[0]  # (K,) float64
+        rewards.append(r)
+        advantages.append(a.numpy().astype(np.float32))
+        for i in kept.tolist():
+            lo, hi = int(g.offsets[i]), int(g.offsets[i + 1])
+            prompts.append(g.prompt_token_ids)
+            responses.append(g.token_ids[lo:hi])
+            behaviour.append(g.logprobs[lo:hi])
+            samplers.append(g.sampler_id)
+    return TrainingRows(
+        prompts=tuple(prompts),
+        responses=tuple(responses),
+        behaviour_logprobs=tuple(behaviour),
+        advantages=np.concatenate(advantages) if advantages else np.zeros(0, np.float32),
+        rewards=np.concatenate(rewards) if rewards else np.zeros(0, np.float32),
+        sampler_ids=tuple(samplers),
+    )
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Hyper-parameters of the step (the Learner's config fields of the same names)."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    is_cap: float = 2.0
+    kl_beta: float = 0.0
+    old_policy: OldPolicy = "sampler"
+
+    def __post_init__(self) -> None:
+        if self.old_policy not in OLD_POLICIES:
+            raise ValueError(f"old_policy must be one of {', '.join(OLD_POLICIES)}, got {self.old_policy!r}")
+
+    def learning_rate(self, version: int) -> float:
+        """Linear warm-up over the first ``warmup_steps`` steps, then ``lr``."""
+        return self.lr * min(1.0, (version + 1) / max(1, self.warmup_steps))
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimiser step did, over the whole batch (every rank's share together)."""
+
+    loss: float
+    """Token-mean GRPO loss (0.0 for a simulated step)."""
+    grad_norm: float | None = None
+    """Norm of the whole batch's gradient before clipping; None when no gradient was taken."""
+    objective: GRPOStats | None = None
+    """Token means of the objective's diagnostics over the whole batch."""
+    mismatch_by_sampler: dict[str, float] = field(default_factory=dict)
+    """Per sampler: mean (sampler log-prob - learner log-prob) per token. Rollouts from remote
+    workers are claims; one whose numbers disagree with the learner's recomputation (another
+    model, tampered log-probs) stands out here."""
+
+    def record(self) -> dict[str, object]:
+        """The fields a step's metrics line carries (those the step measured)."""
+        out: dict[str, object] = {"loss": self.loss}
+        if self.grad_norm is not None:
+            out["grad_norm"] = self.grad_norm
+        if self.objective is not None:
+            out["clip_fraction"] = self.objective.clip_fraction
+            out["is_weight_mean"] = self.objective.is_weight_mean
+            out["is_truncated_fraction"] = self.objective.is_truncated_fraction
+            out["approx_kl_sampler"] = self.objective.approx_kl_sampler
+            out["mismatch_by_sampler"] = dict(self.mismatch_by_sampler)
+        return out
+
+
+def _no_reduction(totals: Tensor) -> Tensor:
+    return totals
+
+
+@dataclass(frozen=True)
+class Share:
+    """How the rows given to ``optimiser_step`` relate to the whole batch.
+
+    One process trains the whole batch (``WHOLE_BATCH``). Under data parallelism each of
+    ``ranks`` processes gets a share, ``sum_over_ranks`` sums a tensor over all of them
+    (an all-reduce), gradients are averaged over ranks after backward (DDP), and ``samplers``
+    lists the whole batch's sampler ids so per-sampler totals line up across ranks.
+    """
+
+    ranks: int = 1
+    sum_over_ranks: Callable[[Tensor], Tensor] = _no_reduction
+    samplers: tuple[str, ...] | None = None
+
+
+WHOLE_BATCH = Share()
+
+# Token means of GRPOStats that the whole batch's stats are rebuilt from (weighted by tokens).
+_MEANS = ("clip_fraction", "is_weight_mean", "is_truncated_fraction", "kl", "approx_kl_sampler", "ratio_mean")
+
+
+def optimiser_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: TrainingRows,
+    settings: StepSettings,
+    *,
+    version: int,
+    pad_id: int,
+    reference: nn.Module | None = None,
+    share: Share = WHOLE_BATCH,
+) -> StepStats:
+    """One GRPO optimiser step of ``model`` on ``rows`` at learner ``version``; see the module docstring."""
+    if not len(rows):
+        raise ValueError("a training step needs at least one row")
+    logp, mask = sequence_logprobs(model, rows.prompts, rows.responses, pad_id=pad_id)  # (B, T), (B, T)
+    behaviour = torch.zeros_like(logp)  # (B, T)
+    for b, lp in enumerate(rows.behaviour_logprobs):
+        behaviour[b, : len(lp)] = torch.from_numpy(np.array(lp, dtype=np.float32))
+    logp_ref = None
+    if reference is not None:
+        with torch.no_grad():
+            logp_ref, _ = sequence_logprobs(reference, rows.prompts, rows.responses, pad_id=pad_id)  # (B, T)
+    advantages = torch.from_numpy(np.array(rows.advantages, dtype=np.float32)).to(logp.device)  # (B,)
+    loss, stats = grpo_loss(
+        logp,
+        behaviour if settings.old_policy == "sampler" else None,
+        behaviour,
+        advantages,
+        mask,
+        clip_eps=settings.clip_eps,
+        is_cap=settings.is_cap,
+        kl_beta=settings.kl_beta,
+        logp_ref=logp_ref,
+    )
+
+    # Totals of this share, summed over every share: tokens, loss and stats weighted by
+    # tokens, and per sampler (log-prob gap, tokens).
+    samplers = share.samplers if share.samplers is not None else tuple(dict.fromkeys(rows.sampler_ids))
+    index = torch.tensor([samplers.index(s) for s in rows.sampler_ids], device=logp.device)  # (B,)
+    with torch.no_grad():
+        gap = ((behaviour - logp) * mask).sum(dim=1).double()  # (B,)
+        per_sampler = torch.zeros(len(samplers), 2, dtype=torch.float64, device=logp.device)  # (S, 2)
+        per_sampler[:, 0].index_add_(0, index, gap)
+        per_sampler[:, 1].index_add_(0, index, mask.sum(dim=1).double())
+    tokens = stats.tokens
+    local = [tokens, loss.item() * tokens, *(getattr(stats, name) * tokens for name in _MEANS)]
+    head = torch.tensor(local, dtype=torch.float64, device=logp.device)  # (2 + len(_MEANS),)
+    totals = share.sum_over_ranks(torch.cat([head, per_sampler.flatten()]))
+    batch_tokens = float(totals[0])
+
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = settings.learning_rate(version)
+    optimizer.zero_grad(set_to_none=True)
+    # grpo_loss is this share's token mean; rescaled, the gradient averaged over ranks is the
+    # whole batch's token mean (a factor of exactly 1 in one process).
+    (loss * (share.ranks * tokens / max(batch_tokens, 1.0))).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+    optimizer.step()
+
+    denominator = max(batch_tokens, 1.0)
+    means = {name: float(totals[2 + k]) / denominator for k, name in enumerate(_MEANS)}
+    gaps = totals[2 + len(_MEANS) :].reshape(len(samplers), 2).tolist()
+    return StepStats(
+        loss=float(totals[1]) / denominator,
+        grad_norm=float(grad_norm),
+        objective=GRPOStats(tokens=batch_tokens, **means),
+        mismatch_by_sampler={s: round(g / max(n, 1.0), 6) for s, (g, n) in zip(samplers, gaps, strict=True)},
+    )
