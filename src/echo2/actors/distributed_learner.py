@@ -22,6 +22,7 @@ launched, audited run. Untested without GPUs: NCCL, ``device = "cuda"`` placemen
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 import msgspec
 import torch.distributed as dist
@@ -40,6 +41,8 @@ def rank_config(config: LearnerConfig) -> LearnerConfig:
 
 class DistributedLearner(Learner):
     """Rank 0's Learner actor; see the module docstring."""
+
+    kind: ClassVar[str] = "distributed_learner"
 
     def build_trainer(self) -> Trainer:
         if not dist.is_initialized():

@@ -314,7 +314,7 @@ class Launcher:
                 actors=[a.name for a in spec.actors],
                 completes_run=self.completes_run.get(name, False),
                 torch_threads=spec.torch_threads,
-                critical=any(a.kind == "learner" for a in spec.actors),
+                critical=self.completes_run.get(name, False),  # the learner's process
                 log=open(
                     self.layout.log_path(name),
                     "a",

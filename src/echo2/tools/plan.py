@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from echo2.actors.learner import Learner
+from echo2.actors.prompt_source import PromptSource
+from echo2.actors.sampler import Sampler
 from echo2.capacity.model import (
     Worker,
     cost_per_step,
@@ -68,8 +71,8 @@ class PlanInputs:
 def inputs_from_topology(topology: Any) -> PlanInputs:
     """Declared figures of a validated ``Topology``."""
     job = topology.job
-    learner = next((a for a in topology.actors.values() if a.kind == "learner"), None)
-    source = next((a for a in topology.actors.values() if a.kind == "prompt_source"), None)
+    learner = next((a for a in topology.actors.values() if issubclass(a.cls, Learner)), None)
+    source = next((a for a in topology.actors.values() if issubclass(a.cls, PromptSource)), None)
     kappa = max(1, job.staleness - 1)
     t_train: float | None = None
     sources = {"kappa": "max(1, S - 1)", "t_bcast_s": "default 0"}
@@ -90,7 +93,7 @@ def inputs_from_topology(topology: Any) -> PlanInputs:
             t_bcast, sources["t_bcast_s"] = cfg.t_bcast_s, "prompt_source t_bcast_s"
     workers, unknown, prices = [], [], {}
     for actor in topology.actors.values():
-        if actor.kind != "sampler":
+        if not issubclass(actor.cls, Sampler):
             continue
         cfg = actor.config
         prices[actor.name] = cfg.price_per_hour
