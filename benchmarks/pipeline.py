@@ -291,26 +291,13 @@ def _scored_group(task_id: str, prompt_ids: list[int], completions: list[Any], r
     """The ``ScoredGroup`` a Sampler and a Rewarder would make of one prompt's completions."""
     import numpy as np
 
-    from echo2.messages import RolloutGroup, ScoredGroup
+    from echo2.actors.sampler import rollout_group
+    from echo2.messages import PolicyVersion, ScoredGroup, TaskLease
 
-    offsets = np.zeros(len(completions) + 1, dtype=np.int32)
-    np.cumsum([len(c.token_ids) for c in completions], out=offsets[1:])
-    group = RolloutGroup(
-        lease_id=0,
-        task_id=task_id,
-        attempt=0,
-        sampler_id="baseline",
-        incarnation=0,
-        version=0,
-        prompt="",
-        answer="",
-        prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
-        token_ids=np.concatenate([c.token_ids for c in completions]).astype(np.int32, copy=False),
-        logprobs=np.concatenate([c.logprobs for c in completions]).astype(np.float32, copy=False),
-        offsets=offsets,
-        texts=[c.text for c in completions],
-        finish_reasons=[c.finish_reason for c in completions],
+    lease = TaskLease(
+        lease_id=0, task_id=task_id, attempt=0, prompt="", answer="", group_size=len(completions), ttl_s=0.0
     )
+    group = rollout_group(lease, "baseline", PolicyVersion(incarnation=0, version=0), prompt_ids, completions)
     return ScoredGroup(
         group=group, rewards=np.asarray(rewards, dtype=np.float32), keep=np.ones(len(completions), dtype=bool)
     )

@@ -302,7 +302,7 @@ class Sampler(Actor):
         elapsed = time.perf_counter() - started
         self.generate_s += elapsed
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
-            group = _to_group(lease, self.name, made_by, ids, completions, elapsed)
+            group = rollout_group(lease, self.name, made_by, ids, completions, elapsed)
             await self._rollouts.send(group)
             self.ctx.ledger(ledger.Submitted(task=lease.task_id, lease=lease.lease_id, version=made_by.version))
             self.counters["groups_sent"] += 1
@@ -320,14 +320,15 @@ def _seed_from_name(seed: int, name: str) -> int:
     return (seed * 1_000_003 + sum(ord(c) * 31**i for i, c in enumerate(name))) % (2**31)
 
 
-def _to_group(
+def rollout_group(
     lease: TaskLease,
     sampler_id: str,
     made_by: PolicyVersion,
     prompt_ids: list[int],
     completions: list[Completion],
-    generate_s: float,
+    generate_s: float = 0.0,
 ) -> RolloutGroup:
+    """The ``RolloutGroup`` of one lease's completions, as ragged arrays (what a Sampler sends)."""
     lengths = [len(c.token_ids) for c in completions]
     offsets = np.zeros(len(completions) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
