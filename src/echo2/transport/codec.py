@@ -146,7 +146,7 @@ class Codec:
         included (``decode_any`` accepts both).
         """
         message = self.decode_any(frames)
-        if type(message) is list:
+        if isinstance(message, list):
             raise DecodeError(f"a bundle of {len(message)} messages where one was expected")
         return message
 

@@ -49,6 +49,9 @@ _DECODE_LOG_INTERVAL_S = 5.0
 DEFAULT_COALESCE = 64
 COALESCE_MESSAGE_MAX_BYTES = 4 * 1024
 COALESCE_MAX_BYTES = 64 * 1024
+# A frame's metadata property naming its authenticated peer. As bytes: pyzmq types
+# Frame.get(bytes) as the str a property is, Frame.get(str) as int | str.
+USER_ID = b"User-Id"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,7 @@ class Endpoint:
     ) -> None:
         self.name = name
         self._socket = socket
-        self._sync = zmq.Socket.shadow(socket.underlying)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         self._codec = codec
         self._on_full = on_full
         self._producers = producers
@@ -255,7 +258,7 @@ class Endpoint:
                     raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
                 raise TransportError(f"{self.name}: recv failed: {exc}") from exc
             if self._user_ids is not None:
-                self._user_ids[first[0].bytes] = first[-1].get("User-Id")
+                self._user_ids[first[0].bytes] = first[-1].get(USER_ID)
             self._pending.append(first)
         while len(self._pending) < max_messages:
             try:
@@ -289,7 +292,7 @@ class Endpoint:
             frame = recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.bytes if len(frames) < copied else frame)
         if self._user_ids is not None:
-            self._user_ids[frames[0]] = frame.get("User-Id")
+            self._user_ids[frames[0]] = frame.get(USER_ID)
         return frames
 
     def track_user_ids(self) -> None:
@@ -319,12 +322,15 @@ class Endpoint:
                     exc,
                 )
             return None
-        if type(message) is list:
+        if isinstance(message, list):  # a bundle
             self._received += len(message)
             kept = [m for m in message if not self._is_eos(m)]
             return kept or None
         self._received += 1
         return None if self._is_eos(message) else message
+
+    def _flush_at_close(self, linger_ms: int) -> None:
+        """Closing with bundled messages pending (only sending endpoints have any)."""
 
     def _is_eos(self, message: Message) -> bool:
         if type(message) is not EndOfStreamMsg:
@@ -374,7 +380,7 @@ class _Receiving(Endpoint):
                 if message is None:
                     continue
                 envelope = bytes(frames[0]) if skip else b""
-                if type(message) is list:  # a bundle
+                if isinstance(message, list):  # a bundle
                     self._ready.extend([(envelope, m) for m in message])
                 else:
                     self._ready.append((envelope, message))
@@ -508,7 +514,9 @@ class _Sending(Endpoint):
             log.error("%s: a bundle could not be sent: %s", self.name, exc)
             return
         self._flush_scheduled = True
-        self._socket.poll(flags=zmq.POLLOUT).add_done_callback(self._flush_soon)
+        # pyzmq's _future.pyi gives the async socket's poll the Poller's signature; at
+        # runtime it takes flags and returns a Future.
+        self._socket.poll(flags=zmq.POLLOUT).add_done_callback(self._flush_soon)  # type: ignore[call-arg, attr-defined]
 
     async def _send_bundle(self) -> None:
         wire, count = self._take_bundle()
@@ -590,7 +598,7 @@ class PublisherEndpoint(Endpoint):
     def subscriptions_nowait(self) -> list[tuple[bool, bytes]]:
         """Subscription changes seen since the last call: ``(subscribed, topic)``."""
         self._check_open()
-        out = []
+        out: list[tuple[bool, bytes]] = []
         while True:
             try:
                 event = self._sync.recv(zmq.NOBLOCK)
