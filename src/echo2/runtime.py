@@ -29,7 +29,7 @@ from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
-from echo2.messages import HEARTBEAT_TOPIC, STATISTICS_TYPES, ActorStats, CustomStats, EndpointHealth, Heartbeat
+from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
 
@@ -260,8 +260,8 @@ class ProcessRuntime:
 
 def _statistics_of(actor: Actor) -> ActorStats | None:
     stats: object = actor.statistics()
-    if stats is None or isinstance(stats, STATISTICS_TYPES):
-        return stats  # type: ignore[return-value]
+    if stats is None or isinstance(stats, ActorStats):
+        return stats
     if isinstance(stats, Mapping):
         # An actor written before statistics were typed returns a flat dict: carry it as
         # the record for actors of one's own, as if it had returned CustomStats.

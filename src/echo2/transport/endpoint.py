@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -349,8 +349,12 @@ def _frames_nbytes(frames: Sequence[Any]) -> int:
     return total
 
 
-class _Receiving(Endpoint):
-    """Receive logic shared by every endpoint kind.
+Received = TypeVar("Received")
+
+
+class _Receiving(Endpoint, Generic[Received]):
+    """Receive logic shared by every endpoint kind. ``Received`` is what a receive hands
+    out: a message, or for a ROUTER ``(peer_id, message)``.
 
     ``_envelope_frames`` is how many leading frames are routing data (a ROUTER's peer id, a
     SUB's topic) rather than message; those come back alongside the message.
@@ -394,20 +398,19 @@ class _Receiving(Endpoint):
             return out
         return [ready.popleft() for _ in range(max_messages)]
 
-    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
-        """What ``async for`` yields: the message (a ROUTER yields ``(peer, message)``)."""
-        return enveloped[1]
+    def _item(self, enveloped: tuple[bytes, Message]) -> Received:
+        """What a receive hands out for one enveloped message."""
+        raise NotImplementedError
 
-    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Message]:
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Received]:
         """Return 1..max_messages messages; raise ``EndOfStream`` once the channel ended."""
-        return [message for _, message in await self._recv_enveloped(max_messages)]
+        raise NotImplementedError  # each kind builds its list without a call per message
 
-    async def recv(self) -> Message:
+    async def recv(self) -> Received:
         """Return one message (later ones stay queued locally for the next call)."""
-        batch = await self._recv_enveloped(1)
-        return batch[0][1]
+        return self._item((await self._recv_enveloped(1))[0])
 
-    async def __aiter__(self) -> AsyncIterator[Message]:
+    async def __aiter__(self) -> AsyncIterator[Received]:
         """Messages until end of stream; leaving the loop early loses nothing."""
         while True:
             try:
@@ -415,6 +418,16 @@ class _Receiving(Endpoint):
             except EndOfStream:
                 return
             yield self._item(self._ready.popleft())
+
+
+class _MessageReceiving(_Receiving[Message]):
+    """PULL, DEALER and SUB: a receive hands out the message alone."""
+
+    def _item(self, enveloped: tuple[bytes, Message]) -> Message:
+        return enveloped[1]
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Message]:
+        return [message for _, message in await self._recv_enveloped(max_messages)]
 
 
 class _Sending(Endpoint):
@@ -557,30 +570,27 @@ class PushEndpoint(_Sending):
     socket_type = zmq.PUSH
 
 
-class PullEndpoint(_Receiving):
+class PullEndpoint(_MessageReceiving):
     socket_type = zmq.PULL
 
 
-class DealerEndpoint(_Sending, _Receiving):
+class DealerEndpoint(_Sending, _MessageReceiving):
     """Client side of a request/reply channel; its routing id is its peer id."""
 
     socket_type = zmq.DEALER
 
 
-class RouterEndpoint(_Receiving):
+class RouterEndpoint(_Receiving[tuple[bytes, Message]]):
     """Server side of a request/reply channel; messages are ``(peer_id, message)``."""
 
     socket_type = zmq.ROUTER
     _envelope_frames = 1
 
-    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:  # type: ignore[override]
-        return await self._recv_enveloped(max_messages)
-
-    async def recv(self) -> tuple[bytes, Message]:  # type: ignore[override]
-        return (await self._recv_enveloped(1))[0]
-
-    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
+    def _item(self, enveloped: tuple[bytes, Message]) -> tuple[bytes, Message]:
         return enveloped
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:
+        return await self._recv_enveloped(max_messages)
 
     async def send(self, peer: bytes, message: Message) -> bool:
         """Send to one peer; False if the peer is unknown (gone) or dropped at the HWM."""
@@ -625,7 +635,7 @@ class PublisherEndpoint(Endpoint):
                 return bytes(event[1:])
 
 
-class SubscriberEndpoint(_Receiving):
+class SubscriberEndpoint(_MessageReceiving):
     """SUB: ``recv``/``recv_many`` give messages; ``recv_many_with_topic`` keeps the topic."""
 
     socket_type = zmq.SUB
