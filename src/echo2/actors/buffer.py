@@ -33,7 +33,6 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.errors import DecodeError
 from echo2.messages import (
     Batch,
     BatchRequest,
@@ -92,7 +91,7 @@ class Buffer(Actor):
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
-        self._codec = Codec()
+        self._codec = Codec(ScoredGroup)  # the state file holds ScoredGroups
         if ctx.resume:
             self._load_state()
 
@@ -112,12 +111,6 @@ class Buffer(Actor):
 
     def _encode_group(self, group: ScoredGroup) -> list[bytes]:
         return [bytes(memoryview(frame).cast("B")) for frame in self._codec.encode(group)]
-
-    def _decode_group(self, frames: list[bytes]) -> ScoredGroup:
-        group = self._codec.decode(frames)
-        if not isinstance(group, ScoredGroup):
-            raise DecodeError(f"buffer state holds a {type(group).__name__} where a ScoredGroup belongs")
-        return group
 
     def _save_state(self) -> None:
         """Stored and retained groups plus every dedup set, written atomically."""
@@ -155,8 +148,9 @@ class Buffer(Actor):
         self._resumed_from = state["resumed_from"]
         self.counters.update(state["counters"])
         self.dropped.update(state["dropped"])
-        self._store = deque(self._decode_group(frames) for frames in state["store"])
-        self._retained = deque((v, self._decode_group(frames)) for v, frames in state["retained"])
+        decode = self._codec.decode
+        self._store = deque(decode(frames) for frames in state["store"])
+        self._retained = deque((v, decode(frames)) for v, frames in state["retained"])
         self.ctx.log.info(
             "resumed: %d groups stored, %d awaiting a learner checkpoint, %d task ids seen",
             len(self._store), len(self._retained), len(self._seen_tasks),
