@@ -479,6 +479,16 @@ def test_bad_magic_short_and_empty_input_are_rejected() -> None:
             Codec().decode(frames)
 
 
+def test_a_codec_for_one_class_decodes_it_and_rejects_others() -> None:
+    chunk = WeightChunk(incarnation=1, version=2, index=0, data=np.arange(8, dtype=np.uint8))
+    codec = Codec(WeightChunk)
+    decoded = codec.decode(Codec().encode(chunk))
+    assert type(decoded) is WeightChunk and decoded.index == 0
+    np.testing.assert_array_equal(decoded.data, chunk.data)
+    with pytest.raises(DecodeError):
+        codec.decode(Codec().encode(WorkRequest(sampler_id="s", credits=1)))
+
+
 def test_oversized_headers_are_rejected() -> None:
     message = WorkRequest(sampler_id="x" * 5000, credits=1)
     header = Codec().encode(message)[0]

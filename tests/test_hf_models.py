@@ -64,6 +64,17 @@ def test_load_policy_hf(llama_dir: Path) -> None:
     assert all(dtype == "float32" for _, dtype in layout.values())
 
 
+def test_policy_save_reloads_the_same_policy(llama_dir: Path, tmp_path: Path) -> None:
+    policy = load_policy(str(llama_dir))
+    policy.save(tmp_path / "saved")
+    again = load_policy(str(tmp_path / "saved"))
+    assert again.kind == "hf"
+    assert again.wire_tensors().keys() == policy.wire_tensors().keys()
+    for name, array in policy.wire_tensors().items():
+        np.testing.assert_array_equal(again.wire_tensors()[name], array)
+    assert again.tokenizer.encode_prompt("12+3=") == policy.tokenizer.encode_prompt("12+3=")
+
+
 def test_engine_logprobs_match_learner(llama_dir: Path) -> None:
     """Sampled log-probs (T=1, ragged prompts, n>1) equal the learner's re-scored ones."""
     engine = make_engine("hf", model_dir=str(llama_dir), seed=3)

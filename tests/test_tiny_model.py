@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from echo2.models import CharTokenizer, KVCache, TinyConfig, TinyTransformer
+from echo2.models.policy import load_policy
 from echo2.models.tiny import CONFIG_FILE, WEIGHTS_FILE
 from echo2.rl.logprobs import sequence_logprobs
 
@@ -130,6 +131,29 @@ def test_save_load_round_trip(model: TinyTransformer, tmp_path) -> None:
     ids = torch.randint(0, SMALL.vocab_size, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), model(ids), atol=0, rtol=0)
+
+
+def test_policy_save_reloads_the_same_policy(tmp_path) -> None:
+    policy = load_policy("")
+    policy.save(tmp_path / "ckpt")
+    again = load_policy(str(tmp_path / "ckpt"))
+    assert again.kind == "tiny"
+    assert again.wire_tensors().keys() == policy.wire_tensors().keys()
+    for name, array in policy.wire_tensors().items():
+        np.testing.assert_array_equal(again.wire_tensors()[name], array)
+
+
+def test_init_scales_the_residual_projections() -> None:
+    """GPT-2 init: N(0, 0.02), and 0.02 / sqrt(2 * n_layers) for the layers that write into
+    the residual stream (the attention output and the MLP's second layer)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(SMALL)
+    residual_std = 0.02 / (2 * SMALL.n_layers) ** 0.5
+    for block in model.blocks:
+        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.15)
+        assert block.mlp[0].weight.std().item() == pytest.approx(0.02, rel=0.15)
+        assert block.attn.proj.weight.std().item() == pytest.approx(residual_std, rel=0.15)
+        assert block.mlp[2].weight.std().item() == pytest.approx(residual_std, rel=0.15)
 
 
 def test_state_dict_keys_are_stable() -> None:

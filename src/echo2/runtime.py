@@ -29,7 +29,7 @@ from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
-from echo2.messages import HEARTBEAT_TOPIC, STATISTICS_TYPES, ActorStats, CustomStats, EndpointHealth, Heartbeat
+from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
 
@@ -102,6 +102,9 @@ class ProcessRuntime:
         """A graceful exit flushes what actors queued last (bounded); an abort does not."""
         return 0 if self._forced or self._failed else int(self.flush_timeout_s * 1000)
 
+    def _close_context(self, ctx: ActorContext) -> None:
+        ctx.close(self._linger_ms())  # at exit: whether it is graceful is known only then
+
     async def wait_ready(self) -> None:
         """Returns once every actor's setup has completed."""
         await self._ready.wait()
@@ -117,21 +120,22 @@ class ProcessRuntime:
             async with contextlib.AsyncExitStack() as stack:
                 if self._transport is None:
                     self._transport = Transport()
+                transport = self._transport
                 if self._owns_transport:
-                    stack.callback(lambda: self._transport.close(self._linger_ms()))
+                    stack.callback(lambda: transport.close(self._linger_ms()))
                 if self._curve is not None and any(
                     a.curve_server for ports in self._addresses.values() for a in ports.values()
                 ):
                     # Before any CURVE server binds: without a ZAP handler it would admit anyone.
-                    self._transport.enable_curve(self._curve.allowed)
-                telemetry = self._open_telemetry()
+                    transport.enable_curve(self._curve.allowed)
+                telemetry = self._open_telemetry(transport)
                 if telemetry is not None:
                     stack.callback(telemetry.close)
                 for actor in self.actors:
                     ctx = ActorContext(
                         actor_name=actor.name,
                         process=self.process,
-                        transport=self._transport,
+                        transport=transport,
                         ports=self._addresses.get(actor.name, {}),
                         declared=actor.ports,
                         run_dir=self.run_dir,
@@ -140,7 +144,7 @@ class ProcessRuntime:
                         curve=self._curve,
                         resume=self.resume,
                     )
-                    stack.callback(lambda ctx=ctx: ctx.close(self._linger_ms()))
+                    stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)
                     await actor.setup(ctx)
                     self._contexts.append(ctx)
@@ -210,11 +214,10 @@ class ProcessRuntime:
 
     # -- telemetry -------------------------------------------------------------------
 
-    def _open_telemetry(self) -> PublisherEndpoint | None:
+    def _open_telemetry(self, transport: Transport) -> PublisherEndpoint | None:
         if not self._telemetry_connect:
             return None
-        assert self._transport is not None
-        return self._transport.pub(
+        return transport.pub(
             name=f"{self.process}.telemetry",
             connect=self._telemetry_connect,
             options=SocketOptions(hwm=100),
@@ -257,8 +260,8 @@ class ProcessRuntime:
 
 def _statistics_of(actor: Actor) -> ActorStats | None:
     stats: object = actor.statistics()
-    if stats is None or isinstance(stats, STATISTICS_TYPES):
-        return stats  # type: ignore[return-value]
+    if stats is None or isinstance(stats, ActorStats):
+        return stats
     if isinstance(stats, Mapping):
         # An actor written before statistics were typed returns a flat dict: carry it as
         # the record for actors of one's own, as if it had returned CustomStats.

@@ -91,7 +91,7 @@ class Buffer(Actor):
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
-        self._codec = Codec()
+        self._codec = Codec(ScoredGroup)  # the state file holds ScoredGroups
         if ctx.resume:
             self._load_state()
 

@@ -107,7 +107,8 @@ class Sampler(Actor):
     config: SamplerConfig
 
     @classmethod
-    def torch_weight(cls, config: SamplerConfig) -> float:  # type: ignore[override]
+    def torch_weight(cls, config: ActorConfig) -> float:
+        assert isinstance(config, SamplerConfig)
         return 1.0 if config.engine in ("torch", "hf", "vllm") else 0.0
 
     async def setup(self, ctx) -> None:

@@ -24,11 +24,14 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct-Q4_1.gguf"
 
@@ -106,7 +109,7 @@ class LogitsLM(nn.Module):
     """``(B, T)`` ids -> ``(B, T, V)`` logits over an HF causal LM (no attention mask:
     the learner's rows are left-aligned and right-padded, which causal attention handles)."""
 
-    def __init__(self, hf_model: nn.Module) -> None:
+    def __init__(self, hf_model: PreTrainedModel) -> None:
         super().__init__()
         self.hf = hf_model
 
@@ -116,7 +119,7 @@ class LogitsLM(nn.Module):
 
 def load_hf(
     directory: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> tuple[nn.Module, Any]:
+) -> tuple[PreTrainedModel, Any]:
     """(model in eval mode, tokenizer) from a local HF directory, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -125,7 +128,10 @@ def load_hf(
         raise ImportError("Hugging Face models need the 'hf' extra: pip install 'echo2[hf]'") from exc
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
-    return model.to(device).eval(), tokenizer
+    # transformers declares PreTrainedModel.to as @wraps(nn.Module.to), which types it as
+    # unbound: the device would be `self`.
+    model.to(device)  # type: ignore[arg-type]
+    return model.eval(), tokenizer
 
 
 def cache_root() -> Path:
@@ -185,7 +191,7 @@ def convert_gguf(gguf_file: str | os.PathLike[str], target: str | os.PathLike[st
     return target
 
 
-def save_hf(model: nn.Module, tokenizer: Any, directory: str | os.PathLike[str]) -> None:
+def save_hf(model: PreTrainedModel, tokenizer: Any, directory: str | os.PathLike[str]) -> None:
     """``save_pretrained`` of model and tokenizer (a directory vLLM and :func:`load_hf` read)."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(directory))

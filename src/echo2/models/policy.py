@@ -107,10 +107,14 @@ class Policy:
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """A checkpoint directory ``load_policy`` reads back (HF: ``save_pretrained``)."""
-        if self.kind == "tiny":
-            self.model.save(directory)  # type: ignore[operator]
+        from echo2.models.tiny import TinyTransformer
+
+        if isinstance(self.model, hf_models.LogitsLM):
+            hf_models.save_hf(self.model.hf, self.tokenizer.hf, directory)
+        elif isinstance(self.model, TinyTransformer):
+            self.model.save(directory)
         else:
-            hf_models.save_hf(self.core, self.tokenizer.hf, directory)
+            raise TypeError(f"a {self.kind} policy whose model is a {type(self.model).__name__} cannot be saved")
 
     def clone(self) -> Policy:
         """An independent frozen copy (e.g. the KL reference)."""

@@ -185,9 +185,11 @@ class TinyTransformer(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, std=residual_std)
-            nn.init.normal_(block.mlp[2].weight, std=residual_std)
+        for name, param in self.named_parameters():
+            # The two layers of each block that write into the residual stream (nanoGPT's
+            # way to find them: by their state-dict names, which the checkpoints fix).
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=residual_std)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -301,9 +301,9 @@ def staleness_counts(data: RunData) -> tuple[dict[int, int], str] | None:
         if counts:
             return counts, "trained groups"
     for record in data.steps:
-        staleness = _integer(record.get("staleness_max"))
-        if staleness is not None:
-            counts[staleness] = counts.get(staleness, 0) + 1
+        step_max = _integer(record.get("staleness_max"))
+        if step_max is not None:
+            counts[step_max] = counts.get(step_max, 0) + 1
     if counts:
         return counts, "steps (by the step's largest staleness)"
     return None
@@ -361,9 +361,9 @@ def plot_learner_idle(data: RunData, path: Path, window: int | None = None) -> P
     rows = []
     for record in data.steps:
         time_s = _number(record.get("time_s"))
-        wait, train = _wait_train(record)
-        if time_s is not None and wait is not None and train is not None:
-            rows.append((time_s, wait, train))
+        wait_s, train_s = _wait_train(record)
+        if time_s is not None and wait_s is not None and train_s is not None:
+            rows.append((time_s, wait_s, train_s))
     if not rows:
         return None
     array = np.asarray(rows, dtype=float)
@@ -401,7 +401,7 @@ def dollars_per_step_series(records: Sequence[dict[str, Any]]) -> tuple[np.ndarr
     for a, b in itertools.pairwise(records):
         da, db = _number(a.get("dollars_total")), _number(b.get("dollars_total"))
         sa, sb = _number(a.get("steps")), _number(b.get("steps"))
-        if None in (da, db, sa, sb) or sb <= sa:
+        if da is None or db is None or sa is None or sb is None or sb <= sa:
             continue
         xs.append(b["unix_s"])
         ys.append((db - da) / (sb - sa))

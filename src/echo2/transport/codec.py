@@ -28,7 +28,7 @@ import math
 import types as types_module
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 import msgspec
 import numpy as np
@@ -60,6 +60,9 @@ _DECODE_FAILURES = (
 )
 
 
+M = TypeVar("M", bound=Message)
+
+
 def _as_wire_array(array: np.ndarray) -> np.ndarray:
     """Little-endian and C-contiguous, copying only when it is not already."""
     if array.dtype.byteorder == ">":
@@ -68,13 +71,20 @@ def _as_wire_array(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-class Codec:
+class Codec(Generic[M]):
     """Encodes and decodes one endpoint's messages. Not thread-safe: one per endpoint.
 
     ``types`` is the union of message classes this endpoint accepts; users with their own
-    messages pass a union that includes them.
+    messages pass a union that includes them. Given one class, decoding returns that class
+    (``Codec(ScoredGroup).decode`` is typed ``ScoredGroup``) and rejects any other.
     """
 
+    @overload
+    def __init__(self: Codec[M], types: type[M], *, inline_limit: int = ..., max_header_bytes: int = ...) -> None: ...
+    @overload
+    def __init__(
+        self: Codec[Message], types: Any = ..., *, inline_limit: int = ..., max_header_bytes: int = ...
+    ) -> None: ...
     def __init__(
         self,
         types: Any = AnyMessage,
@@ -139,18 +149,18 @@ class Codec:
         head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
         return b"".join([_PREAMBLE, head, *[h[2:] for h in headers]])
 
-    def decode(self, frames: Sequence[Any]) -> Message:
+    def decode(self, frames: Sequence[Any]) -> M:
         """Decode frames (bytes, memoryviews or ``zmq.Frame``) into a message.
 
         Raises ``DecodeError`` (or ``ProtocolMismatch``) on anything malformed, a bundle
         included (``decode_any`` accepts both).
         """
         message = self.decode_any(frames)
-        if type(message) is list:
+        if isinstance(message, list):
             raise DecodeError(f"a bundle of {len(message)} messages where one was expected")
         return message
 
-    def decode_any(self, frames: Sequence[Any]) -> Message | list[Message]:
+    def decode_any(self, frames: Sequence[Any]) -> M | list[M]:
         """A message, or the list of messages of a bundle. Raises ``DecodeError``."""
         if not frames:
             raise DecodeError("no frames")

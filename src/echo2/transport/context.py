@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -30,6 +30,8 @@ from echo2.transport.endpoint import (
     SocketOptions,
     SubscriberEndpoint,
 )
+
+E = TypeVar("E", bound=Endpoint)
 
 
 class Transport:
@@ -121,22 +123,22 @@ class Transport:
 
     # Typed conveniences, so call sites read as what they open.
     def push(self, **kw: Any) -> PushEndpoint:
-        return self.open("push", **kw)  # type: ignore[return-value]
+        return _as(PushEndpoint, self.open("push", **kw))
 
     def pull(self, **kw: Any) -> PullEndpoint:
-        return self.open("pull", **kw)  # type: ignore[return-value]
+        return _as(PullEndpoint, self.open("pull", **kw))
 
     def dealer(self, **kw: Any) -> DealerEndpoint:
-        return self.open("dealer", **kw)  # type: ignore[return-value]
+        return _as(DealerEndpoint, self.open("dealer", **kw))
 
     def router(self, **kw: Any) -> RouterEndpoint:
-        return self.open("router", **kw)  # type: ignore[return-value]
+        return _as(RouterEndpoint, self.open("router", **kw))
 
     def pub(self, **kw: Any) -> PublisherEndpoint:
-        return self.open("pub", **kw)  # type: ignore[return-value]
+        return _as(PublisherEndpoint, self.open("pub", **kw))
 
     def sub(self, **kw: Any) -> SubscriberEndpoint:
-        return self.open("sub", **kw)  # type: ignore[return-value]
+        return _as(SubscriberEndpoint, self.open("sub", **kw))
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every endpoint still open, then the context. Idempotent.
@@ -196,3 +198,8 @@ def _bind(socket: zmq.Socket, url: str) -> str:
             os.makedirs(directory, exist_ok=True)
     socket.bind(url)
     return socket.getsockopt_string(zmq.LAST_ENDPOINT) if url.startswith("tcp://") else url
+
+
+def _as(cls: type[E], endpoint: Endpoint) -> E:
+    assert isinstance(endpoint, cls)  # ENDPOINT_CLASSES maps the kind to this class
+    return endpoint

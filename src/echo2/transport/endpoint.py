@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -49,6 +49,9 @@ _DECODE_LOG_INTERVAL_S = 5.0
 DEFAULT_COALESCE = 64
 COALESCE_MESSAGE_MAX_BYTES = 4 * 1024
 COALESCE_MAX_BYTES = 64 * 1024
+# A frame's metadata property naming its authenticated peer. As bytes: pyzmq types
+# Frame.get(bytes) as the str a property is, Frame.get(str) as int | str.
+USER_ID = b"User-Id"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,7 @@ class Endpoint:
     ) -> None:
         self.name = name
         self._socket = socket
-        self._sync = zmq.Socket.shadow(socket.underlying)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         self._codec = codec
         self._on_full = on_full
         self._producers = producers
@@ -255,7 +258,7 @@ class Endpoint:
                     raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
                 raise TransportError(f"{self.name}: recv failed: {exc}") from exc
             if self._user_ids is not None:
-                self._user_ids[first[0].bytes] = first[-1].get("User-Id")
+                self._user_ids[first[0].bytes] = first[-1].get(USER_ID)
             self._pending.append(first)
         while len(self._pending) < max_messages:
             try:
@@ -289,7 +292,7 @@ class Endpoint:
             frame = recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.bytes if len(frames) < copied else frame)
         if self._user_ids is not None:
-            self._user_ids[frames[0]] = frame.get("User-Id")
+            self._user_ids[frames[0]] = frame.get(USER_ID)
         return frames
 
     def track_user_ids(self) -> None:
@@ -319,12 +322,15 @@ class Endpoint:
                     exc,
                 )
             return None
-        if type(message) is list:
+        if isinstance(message, list):  # a bundle
             self._received += len(message)
             kept = [m for m in message if not self._is_eos(m)]
             return kept or None
         self._received += 1
         return None if self._is_eos(message) else message
+
+    def _flush_at_close(self, linger_ms: int) -> None:
+        """Closing with bundled messages pending (only sending endpoints have any)."""
 
     def _is_eos(self, message: Message) -> bool:
         if type(message) is not EndOfStreamMsg:
@@ -343,8 +349,12 @@ def _frames_nbytes(frames: Sequence[Any]) -> int:
     return total
 
 
-class _Receiving(Endpoint):
-    """Receive logic shared by every endpoint kind.
+Received = TypeVar("Received")
+
+
+class _Receiving(Endpoint, Generic[Received]):
+    """Receive logic shared by every endpoint kind. ``Received`` is what a receive hands
+    out: a message, or for a ROUTER ``(peer_id, message)``.
 
     ``_envelope_frames`` is how many leading frames are routing data (a ROUTER's peer id, a
     SUB's topic) rather than message; those come back alongside the message.
@@ -374,7 +384,7 @@ class _Receiving(Endpoint):
                 if message is None:
                     continue
                 envelope = bytes(frames[0]) if skip else b""
-                if type(message) is list:  # a bundle
+                if isinstance(message, list):  # a bundle
                     self._ready.extend([(envelope, m) for m in message])
                 else:
                     self._ready.append((envelope, message))
@@ -388,20 +398,19 @@ class _Receiving(Endpoint):
             return out
         return [ready.popleft() for _ in range(max_messages)]
 
-    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
-        """What ``async for`` yields: the message (a ROUTER yields ``(peer, message)``)."""
-        return enveloped[1]
+    def _item(self, enveloped: tuple[bytes, Message]) -> Received:
+        """What a receive hands out for one enveloped message."""
+        raise NotImplementedError
 
-    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Message]:
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Received]:
         """Return 1..max_messages messages; raise ``EndOfStream`` once the channel ended."""
-        return [message for _, message in await self._recv_enveloped(max_messages)]
+        raise NotImplementedError  # each kind builds its list without a call per message
 
-    async def recv(self) -> Message:
+    async def recv(self) -> Received:
         """Return one message (later ones stay queued locally for the next call)."""
-        batch = await self._recv_enveloped(1)
-        return batch[0][1]
+        return self._item((await self._recv_enveloped(1))[0])
 
-    async def __aiter__(self) -> AsyncIterator[Message]:
+    async def __aiter__(self) -> AsyncIterator[Received]:
         """Messages until end of stream; leaving the loop early loses nothing."""
         while True:
             try:
@@ -409,6 +418,16 @@ class _Receiving(Endpoint):
             except EndOfStream:
                 return
             yield self._item(self._ready.popleft())
+
+
+class _MessageReceiving(_Receiving[Message]):
+    """PULL, DEALER and SUB: a receive hands out the message alone."""
+
+    def _item(self, enveloped: tuple[bytes, Message]) -> Message:
+        return enveloped[1]
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[Message]:
+        return [message for _, message in await self._recv_enveloped(max_messages)]
 
 
 class _Sending(Endpoint):
@@ -508,7 +527,9 @@ class _Sending(Endpoint):
             log.error("%s: a bundle could not be sent: %s", self.name, exc)
             return
         self._flush_scheduled = True
-        self._socket.poll(flags=zmq.POLLOUT).add_done_callback(self._flush_soon)
+        # pyzmq's _future.pyi gives the async socket's poll the Poller's signature; at
+        # runtime it takes flags and returns a Future.
+        self._socket.poll(flags=zmq.POLLOUT).add_done_callback(self._flush_soon)  # type: ignore[call-arg, attr-defined]
 
     async def _send_bundle(self) -> None:
         wire, count = self._take_bundle()
@@ -549,30 +570,27 @@ class PushEndpoint(_Sending):
     socket_type = zmq.PUSH
 
 
-class PullEndpoint(_Receiving):
+class PullEndpoint(_MessageReceiving):
     socket_type = zmq.PULL
 
 
-class DealerEndpoint(_Sending, _Receiving):
+class DealerEndpoint(_Sending, _MessageReceiving):
     """Client side of a request/reply channel; its routing id is its peer id."""
 
     socket_type = zmq.DEALER
 
 
-class RouterEndpoint(_Receiving):
+class RouterEndpoint(_Receiving[tuple[bytes, Message]]):
     """Server side of a request/reply channel; messages are ``(peer_id, message)``."""
 
     socket_type = zmq.ROUTER
     _envelope_frames = 1
 
-    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:  # type: ignore[override]
-        return await self._recv_enveloped(max_messages)
-
-    async def recv(self) -> tuple[bytes, Message]:  # type: ignore[override]
-        return (await self._recv_enveloped(1))[0]
-
-    def _item(self, enveloped: tuple[bytes, Message]) -> Any:
+    def _item(self, enveloped: tuple[bytes, Message]) -> tuple[bytes, Message]:
         return enveloped
+
+    async def recv_many(self, max_messages: int = DEFAULT_RECV_BATCH) -> list[tuple[bytes, Message]]:
+        return await self._recv_enveloped(max_messages)
 
     async def send(self, peer: bytes, message: Message) -> bool:
         """Send to one peer; False if the peer is unknown (gone) or dropped at the HWM."""
@@ -590,7 +608,7 @@ class PublisherEndpoint(Endpoint):
     def subscriptions_nowait(self) -> list[tuple[bool, bytes]]:
         """Subscription changes seen since the last call: ``(subscribed, topic)``."""
         self._check_open()
-        out = []
+        out: list[tuple[bool, bytes]] = []
         while True:
             try:
                 event = self._sync.recv(zmq.NOBLOCK)
@@ -617,7 +635,7 @@ class PublisherEndpoint(Endpoint):
                 return bytes(event[1:])
 
 
-class SubscriberEndpoint(_Receiving):
+class SubscriberEndpoint(_MessageReceiving):
     """SUB: ``recv``/``recv_many`` give messages; ``recv_many_with_topic`` keeps the topic."""
 
     socket_type = zmq.SUB

@@ -401,11 +401,9 @@ class WeightBroadcaster:
             for seed in seeds.get(chunk.index % stripes, ()):
                 if seed in dead:
                     continue
-                out: WeightChunk | None = chunk
-                if self._fault is not None:
-                    out = self._fault(seed, chunk)
-                    if out is None:
-                        continue
+                out = chunk if self._fault is None else self._fault(seed, chunk)
+                if out is None:
+                    continue
                 if not await self._push_chunk(addresses[seed], out):
                     dead.add(seed)
 

@@ -39,7 +39,7 @@ DIGESTS = ("blake3", "sha256", "blake2b-256")
 
 
 def digest(data: memoryview | bytes | np.ndarray, algorithm: str = DEFAULT_DIGEST) -> bytes:
-    view = memoryview(data).cast("B")
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     if algorithm == "blake3":
         return blake3.blake3(view).digest()
     if algorithm == "sha256":
@@ -91,7 +91,7 @@ def unflatten(specs: list[TensorSpec], flat: np.ndarray) -> dict[str, np.ndarray
 def make_manifest(
     snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES, algorithm: str = DEFAULT_DIGEST
 ) -> WeightManifest:
-    data = memoryview(snapshot.data).cast("B")
+    data = snapshot.data.data.cast("B")
     chunk_digests = [digest(data[i : i + chunk_bytes], algorithm) for i in range(0, len(data), chunk_bytes)]
     return WeightManifest(
         incarnation=snapshot.incarnation,

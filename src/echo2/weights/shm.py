@@ -48,7 +48,7 @@ def write_snapshot(directory: str, name: str, data: np.ndarray) -> str:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         # write(2), not a mapping: the kernel fills fresh tmpfs pages without a fault each
-        view = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")
+        view = np.ascontiguousarray(data).reshape(-1).data.cast("B")
         while view:
             view = view[os.write(fd, view) :]
     except BaseException:

@@ -130,7 +130,7 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             server.counters["chunks_in_place"] += 1
         self._chunk = WeightChunk(incarnation=incarnation, version=version, index=index, data=target)
-        self._body = memoryview(target).cast("B")
+        self._body = target.data.cast("B")
         self._got = 0
         if nbytes == 0:
             chunk, self._chunk, self._body = self._chunk, None, None
@@ -239,7 +239,7 @@ class ChunkStreamSender:
     async def send(self, chunk: WeightChunk) -> bool:
         if self.closed:
             raise ClosedError(f"chunk stream to {self.address} is closed")
-        data = memoryview(chunk.data).cast("B")
+        data = chunk.data.data.cast("B")  # the array's buffer, as bytes
         header = HEADER.pack(MAGIC, FORMAT, chunk.incarnation, chunk.version, chunk.index, len(data))
         loop = asyncio.get_running_loop()
         async with self._lock:
