@@ -315,6 +315,7 @@ def echo2_command(case: str, steps: int, run_dir: Path, *, max_wall_s: float, de
         f"{learner}.checkpoint_every=0",  # nor checkpoints (the final one is after the clock)
         f"{learner}.eval_prompts={EVAL_PROMPTS}",
         f"{learner}.max_wall_s={float(max_wall_s)!r}",
+        f"{learner}.lr_schedule=constant",  # the baseline's schedule, whatever the topology says
         f"run.deadline_s={float(deadline_s)!r}",
     ]
     command = [sys.executable, "-m", "echo2.launch", str(REPO / topology)]

@@ -34,6 +34,7 @@ ENUM_TYPOS = {
         "learnr",
         "Expected one of 'learner', 'sampler', got 'learnr'",
     ),
+    "actors.learner.config.lr_schedule": ("cosine", "Expected one of 'constant', 'linear', got 'cosine'"),
     "actors.learner.config.model_dtype": (
         "bfloat",
         "Expected one of 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32', got 'bfloat'",

@@ -175,6 +175,11 @@ def test_step_contract_errors_and_settings() -> None:
         StepSettings(old_policy="learnr")  # type: ignore[arg-type]
     warm = StepSettings(lr=1.0, warmup_steps=50)
     assert [warm.learning_rate(v) for v in (0, 24, 49, 500)] == pytest.approx([1 / 50, 0.5, 1.0, 1.0])
+    # linear decay after warm-up: 1.0 at step 50, halfway (0.55) at 475, final_lr_ratio at 900 and after
+    decay = StepSettings(lr=1.0, warmup_steps=50, decay_steps=900, final_lr_ratio=0.1)
+    assert [decay.learning_rate(v) for v in (0, 49, 50, 475, 900, 2000)] == pytest.approx(
+        [1 / 50, 1.0, 1.0, 0.55, 0.1, 0.1]
+    )
 
 
 def test_stats_record_carries_only_what_the_step_measured() -> None:

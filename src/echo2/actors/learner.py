@@ -49,6 +49,7 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
+from echo2.rl import OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import load_job_task
 from echo2.training.accounting import TrainingAccount
@@ -69,6 +70,11 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Stop after this many seconds of training (0 = no limit)."""
     lr: Annotated[float, Meta(ge=0)] = 3e-4
     """AdamW learning rate after warm-up."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """After warm-up: keep ``lr`` ("constant") or decay it linearly to ``lr * final_lr_ratio``
+    at ``max_steps`` ("linear")."""
+    final_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    """With ``lr_schedule = "linear"``: the rate at ``max_steps`` as a fraction of ``lr``."""
     warmup_steps: Annotated[int, Meta(ge=0)] = 50
     """Linear learning-rate warm-up. Adam's first steps move every weight by about ``lr``
     whatever its gradient; on a small model that is a large policy change per step, which
@@ -83,7 +89,7 @@ class LearnerConfig(ActorConfig, frozen=True):
     """C: cap of the learner/sampler importance weight."""
     kl_beta: Annotated[float, Meta(ge=0)] = 0.0
     """Weight of the k3 KL penalty to the initial policy (0: no penalty, no reference copy)."""
-    old_policy: Literal["sampler", "learner"] = "sampler"
+    old_policy: OldPolicy = "sampler"
     """pi_old of the PPO ratio: "sampler" (the behaviour log-probs the rollout carries:
     the clip is a trust region around the policy that generated the data) or "learner"
     (the learner's own policy at the step start: ratio 1, the truncated IS weight alone
@@ -402,6 +408,8 @@ def step_settings(config: LearnerConfig) -> StepSettings:
         is_cap=config.is_cap,
         kl_beta=config.kl_beta,
         old_policy=config.old_policy,  # StepSettings rejects anything but "sampler" and "learner"
+        decay_steps=config.max_steps if config.lr_schedule == "linear" else 0,
+        final_lr_ratio=config.final_lr_ratio,
     )
 
 

@@ -7,7 +7,8 @@ Variant (the loss itself is ``echo2.rl.grpo.grpo_loss``):
   step:   logp = log pi_theta(response | prompt)                                  (B, T)
           pi_old = pi_sampler (old_policy = "sampler", the default) or sg(pi_theta) ("learner")
           loss = grpo_loss(logp, pi_old, pi_sampler, A, mask)   token mean over the whole batch
-          lr_t = lr * min(1, (t + 1) / warmup_steps);  clip the gradient norm;  one AdamW step
+          lr_t = lr * min(1, (t + 1) / warmup_steps)  [x linear decay to final_lr_ratio, optional]
+          clip the gradient norm;  one AdamW step
 
 What ``old_policy`` means for the correction:
 - "sampler": the PPO ratio is pi_theta / pi_sampler and its clip is the trust region around
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 import numpy as np
@@ -37,11 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from echo2.messages import ScoredGroup
+from echo2.rl import OLD_POLICIES, OldPolicy
 from echo2.rl.grpo import GRPOStats, group_advantages, grpo_loss
 from echo2.rl.logprobs import sequence_logprobs
-
-OldPolicy = Literal["sampler", "learner"]
-OLD_POLICIES: tuple[OldPolicy, ...] = ("sampler", "learner")
 
 
 class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,14 +118,22 @@ class StepSettings:
     is_cap: float = 2.0
     kl_beta: float = 0.0
     old_policy: OldPolicy = "sampler"
+    decay_steps: int = 0
+    """When > 0: after warm-up the rate falls linearly to ``lr * final_lr_ratio`` at this step."""
+    final_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {', '.join(OLD_POLICIES)}, got {self.old_policy!r}")
 
     def learning_rate(self, version: int) -> float:
-        """Linear warm-up over the first ``warmup_steps`` steps, then ``lr``."""
-        return self.lr * min(1.0, (version + 1) / max(1, self.warmup_steps))
+        """Linear warm-up over the first ``warmup_steps`` steps, then ``lr`` (or, with
+        ``decay_steps``, a linear decay from ``lr`` to ``lr * final_lr_ratio`` at that step)."""
+        warm = min(1.0, (version + 1) / max(1, self.warmup_steps))
+        if self.decay_steps <= self.warmup_steps:
+            return self.lr * warm
+        done = min(1.0, max(0, version - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        return self.lr * warm * (1.0 - done * (1.0 - self.final_lr_ratio))
 
 
 @dataclass(frozen=True)
