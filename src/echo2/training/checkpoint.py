@@ -66,7 +66,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     format: int
     state: CheckpointState
     files: dict[str, FileDigest]
-    """Every other file of the directory, by name."""
+    """Every other file under the directory, by its path relative to it (``/``-separated)."""
 
 
 _manifest_decoder = msgspec.json.Decoder(Manifest)
@@ -100,12 +100,15 @@ def write_checkpoint(directory: Path, state: CheckpointState, fill: Callable[[Pa
         shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir()
     fill(staging)
+    if (staging / MANIFEST_FILE).exists():
+        raise CheckpointInvalid(f"the trainer wrote {MANIFEST_FILE}, the checkpoint's own file")
     files: dict[str, FileDigest] = {}
-    for path in sorted(staging.iterdir()):
-        if path.name == MANIFEST_FILE or not path.is_file():
-            raise CheckpointInvalid(f"the trainer wrote {path.name!r}, which a checkpoint cannot hold")
+    for path in sorted(staging.rglob("*")):  # save_pretrained may write subdirectories
+        if path.is_dir():
+            _fsync_dir(path)
+            continue
         _fsync_file(path)
-        files[path.name] = file_digest(path)
+        files[path.relative_to(staging).as_posix()] = file_digest(path)
     manifest = Manifest(format=MANIFEST_FORMAT, state=state, files=files)
     with open(staging / MANIFEST_FILE, "wb") as out:
         out.write(msgspec.json.format(msgspec.json.encode(manifest)))
