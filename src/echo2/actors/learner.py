@@ -344,27 +344,33 @@ class Learner(Actor):
         """Continue from the newest checkpoint that verifies, under a new incarnation."""
         run = RunDir(self.ctx.run_dir) if self.ctx.run_dir is not None else None
         directories = run.checkpoint_dirs() if run is not None else []
-        found = newest_good_checkpoint(directories, self.ctx.log.warning)
-        if found is None:
-            where = run.checkpoints_dir if run is not None else None
-            self.ctx.log.warning("--resume: no good checkpoint in %s; starting from the initial model", where)
+        where = run.checkpoints_dir if run is not None else None
+        if not directories:
+            self.ctx.log.warning("--resume: no checkpoint in %s; starting from the initial model", where)
             return
-        directory, state = found
-        self.trainer.load(directory)
-        trained = directory / TRAINED_TASKS_FILE
-        if trained.exists():
-            self.account.trained_tasks = set(json.loads(trained.read_text()))
-        self.version = state.version
-        self._checkpoint_versions.append(state.version)
-        # Versions published after this checkpoint by any crashed incarnation (including one
-        # whose newer checkpoint was passed over) must never be mistaken for ours: a new
-        # incarnation orders after every old one.
-        previous = max(state.incarnation, newest_incarnation(directories))
+        found = newest_good_checkpoint(directories, self.ctx.log.warning)
+        # Versions published by any crashed incarnation (including one whose checkpoints were
+        # passed over) must never be mistaken for ours: a new incarnation orders after every
+        # old one, even when none of their checkpoints is usable.
+        previous = newest_incarnation(directories)
+        if found is None:
+            self.ctx.log.warning("--resume: no checkpoint in %s verifies; starting from the initial model", where)
+            origin = "the initial model"
+        else:
+            directory, state = found
+            self.trainer.load(directory)
+            trained = directory / TRAINED_TASKS_FILE
+            if trained.exists():
+                self.account.trained_tasks = set(json.loads(trained.read_text()))
+            self.version = state.version
+            previous = max(previous, state.incarnation)
+            origin = directory.name
+        self._checkpoint_versions.append(self.version)
         self.incarnation = previous + 1
         self.ctx.ledger(
             ledger.Resumed(incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version)
         )
-        self.ctx.log.info("resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation)
+        self.ctx.log.info("resumed from %s: version %d, incarnation %d", origin, self.version, self.incarnation)
 
     async def _checkpoint(self) -> None:
         if await asyncio.to_thread(self.save_checkpoint) is None:
