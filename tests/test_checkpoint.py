@@ -194,36 +194,36 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_the_audit_holds(tmp_
         "--run-dir", str(tmp_path),
         "--set", "actors.learner.config.eval_prompts=50",
         "--set", "actors.learner.config.eval_every=0",
-        "--set", "actors.learner.config.checkpoint_every=10",
+        "--set", "actors.learner.config.checkpoint_every=5",
     ]  # fmt: skip
     launch = [sys.executable, "-m", "echo2.launch", str(TOPOLOGY), *common]
     first = subprocess.run(
-        [*launch, "--set", "actors.learner.config.max_steps=20"], cwd=ROOT, capture_output=True, text=True, timeout=150
+        [*launch, "--set", "actors.learner.config.max_steps=10"], cwd=ROOT, capture_output=True, text=True, timeout=150
     )
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     (run_root,) = (p for p in tmp_path.iterdir() if p.is_dir())
     run = RunDir(run_root)
-    assert [p.name for p in run.checkpoint_dirs()] == ["step_000010", "step_000020"]
-    _flip_byte(run.checkpoint_dir(20) / WEIGHTS_FILE)
+    assert [p.name for p in run.checkpoint_dirs()] == ["step_000005", "step_000010"]
+    _flip_byte(run.checkpoint_dir(10) / WEIGHTS_FILE)
 
-    steps = 30
+    steps = 15
     resumed = subprocess.run(
         [*launch, "--set", f"actors.learner.config.max_steps={steps}", "--resume", str(run.root)],
         cwd=ROOT, capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-4000:]
-    assert "checkpoint step_000020 is damaged (model.safetensors does not match its digest)" in output
-    assert "resumed from step_000010: version 10, incarnation 1" in output
+    assert "checkpoint step_000010 is damaged (model.safetensors does not match its digest)" in output
+    assert "resumed from step_000005: version 5, incarnation 1" in output
     assert "Traceback" not in output
     summary = json.loads(run.summary_path.read_text())
     assert summary["steps"] == steps
     assert summary["rollouts_trained_twice"] == 0
-    assert verify_checkpoint(run.checkpoint_dir(20)).incarnation == 1  # the damaged one was rewritten
+    assert verify_checkpoint(run.checkpoint_dir(10)).incarnation == 1  # the damaged one was rewritten
     audit = subprocess.run(
         [sys.executable, "-m", "echo2.audit", str(run.root), "--json"], capture_output=True, text=True, timeout=60
     )
     report = json.loads(audit.stdout)
     assert audit.returncode == 0, audit.stdout
     assert report["lost"] == [] and report["duplicated"] == []
-    assert report["voided_by_resume"] > 0  # steps 10-20 of the first run were trained again
+    assert report["voided_by_resume"] > 0  # steps 5-10 of the first run were trained again
