@@ -8,6 +8,7 @@ process cannot be given ``restart = "on-failure"``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from echo2.actor import ActorContext
+from echo2.actors.learner import Learner, LearnerConfig
 from echo2.errors import ConfigError
 from echo2.rundir import RunDir
 from echo2.topology import load_topology
@@ -227,3 +230,47 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_the_audit_holds(tmp_
     assert audit.returncode == 0, audit.stdout
     assert report["lost"] == [] and report["duplicated"] == []
     assert report["voided_by_resume"] > 0  # steps 5-10 of the first run were trained again
+
+
+# -- the Learner's restore: what it continues from, and under which incarnation ---------------
+
+
+def _learner(run: Path) -> Learner:
+    learner = Learner("learner", LearnerConfig(eval_prompts=1, checkpoint_every=1))
+    learner.ctx = ActorContext(
+        actor_name="learner",
+        process="main",
+        transport=None,  # type: ignore[arg-type]  # restore opens no socket
+        ports={},
+        declared={},
+        run_dir=run,
+        stopping=asyncio.Event(),
+    )
+    learner._build()
+    return learner
+
+
+def test_the_learner_resumes_past_a_damaged_checkpoint_under_a_newer_incarnation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = _learner(tmp_path)
+    for version, incarnation in ((3, 0), (6, 2)):
+        writer.version, writer.incarnation = version, incarnation
+        writer.account.trained_tasks = {f"task-{version}"}
+        writer.save_checkpoint()
+    writer.ctx.close()
+    _flip_byte(RunDir(tmp_path).checkpoint_dir(6) / WEIGHTS_FILE)
+
+    resumed = _learner(tmp_path)
+    resumed._restore()
+    resumed.ctx.close()
+    assert (resumed.version, resumed.incarnation) == (3, 3)  # after incarnation 2, whose checkpoint was damaged
+    assert resumed.account.trained_tasks == {"task-3"}
+    assert "checkpoint step_000006 is damaged (model.safetensors does not match its digest)" in caplog.text
+
+    _flip_byte(RunDir(tmp_path).checkpoint_dir(3) / WEIGHTS_FILE)  # now both are damaged
+    fresh = _learner(tmp_path)
+    fresh._restore()
+    fresh.ctx.close()
+    assert (fresh.version, fresh.incarnation) == (0, 3)  # the initial model, still a new incarnation
+    assert "no checkpoint in" in caplog.text and "verifies; starting from the initial model" in caplog.text
