@@ -116,6 +116,24 @@ def test_a_resumed_learner_voids_what_its_predecessor_trained_after_the_checkpoi
     assert report.voided_by_resume == 1 and report.trained == 3 and not report.duplicated
 
 
+def test_a_resume_past_a_damaged_checkpoint_voids_every_older_incarnations_later_steps(run: Path) -> None:
+    _write(
+        run,
+        "learner",
+        [
+            _trained("t4", 1, 2),  # incarnation 0 at learner version 2
+            ledger.Resumed(incarnation=1, previous_incarnation=0, from_version=4),  # t4 is in checkpoint 4
+            # checkpoint 4 (and incarnation 1's later ones) damaged: back to checkpoint 2,
+            # which incarnation 0 wrote before it trained t4
+            ledger.Resumed(incarnation=2, previous_incarnation=1, from_version=2),
+            _trained("t4", 1, 2, incarnation=2),
+        ],
+    )
+    report = audit([run])
+    assert report.ok, report
+    assert report.voided_by_resume == 1 and report.trained == 3 and not report.duplicated
+
+
 def test_a_misspelt_event_fails_where_it_is_written(tmp_path: Path) -> None:
     ctx = _context(tmp_path, "learner")
     with pytest.raises(TypeError):

@@ -86,6 +86,10 @@ class Actor:
     ports: ClassVar[Mapping[str, Port]] = {}
     completes_run: ClassVar[bool] = False
     """True if this actor returning from run() means the whole run is done (the Learner)."""
+    restartable: ClassVar[bool] = True
+    """False if a process the launcher restarts (``restart = "on-failure"``) would run this
+    actor over from nothing while its peers carry on (the Learner: step 0); the setting is
+    then refused at topology load for its process."""
 
     def __init__(self, name: str, config: ActorConfig | None = None, job: JobConfig | None = None):
         self.name = name

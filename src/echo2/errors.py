@@ -9,6 +9,7 @@
     │   └── ProtocolMismatch        a peer speaks another PROTOCOL_VERSION
     ├── TransportError              a socket could not be opened, bound or used
     │   └── ClosedError             the endpoint was closed by this process
+    ├── CheckpointInvalid           a learner checkpoint is incomplete or damaged (one line: what)
     ├── EndOfStream                 every producer of a channel said it is done (not a failure)
     └── ActorFailed                 an actor's run() raised; carries the actor name
 
@@ -51,6 +52,11 @@ class TransportError(Echo2Error):
 
 class ClosedError(TransportError):
     """The endpoint was closed by this process."""
+
+
+class CheckpointInvalid(Echo2Error):
+    """A learner checkpoint is incomplete or damaged. ``str(err)`` is one line: what is wrong
+    (a file missing, truncated or not matching its digest; no manifest; unreadable)."""
 
 
 class EndOfStream(Echo2Error):

@@ -145,7 +145,8 @@ class Resumed(LedgerEvent, frozen=True):
     incarnation: int
     previous_incarnation: int
     from_version: int
-    """Trainings of ``previous_incarnation`` at learner versions >= this are void."""
+    """Trainings of every earlier incarnation at learner versions >= this are void (the
+    checkpoint resumed from holds none of them; ``previous_incarnation`` is the newest that ran)."""
 
 
 AnyLedgerEvent = (

@@ -407,9 +407,11 @@ class Batch(Message, frozen=True):
 
 
 class LearnerCheckpointed(Message, _Versioned, frozen=True):
-    """Learner -> Buffer: a checkpoint at ``version`` is on disk. Groups handed for earlier
-    versions are durable in the model; later ones are kept until the next checkpoint, so a
-    resumed learner trains them again instead of losing them."""
+    """Learner -> Buffer: a checkpoint at ``version`` is on disk, and a resume starts from it
+    or a newer one. Groups handed for earlier versions are durable in the model; later ones
+    are kept, so a resumed learner trains them again instead of losing them. The learner
+    sends the checkpoint before its newest, the one ``--resume`` falls back to if the
+    newest is damaged (0 while it has only one)."""
 
     incarnation: int
     version: int

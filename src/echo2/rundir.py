@@ -11,7 +11,10 @@ the layout is written down once::
       logs/<process>.log          each process's output
       metrics/<actor>.jsonl       ``ActorContext.record`` lines: {"time_s", "kind", ...}
       ledger/<actor>.jsonl        ``ActorContext.ledger`` events: {"t", "ev", ...}
-      checkpoints/step_NNNNNN/    the learner's checkpoint after step NNNNNN
+      checkpoints/step_NNNNNN/    the learner's checkpoint after step NNNNNN: the trainer's files,
+                                  trained_tasks.json, manifest.json (digests; the commit mark;
+                                  ``echo2.training.checkpoint``)
+      checkpoints/.tmp-step_*/    a checkpoint being written (renamed into place when complete)
       checkpoints/<actor><ext>    other actors' saved state (Buffer, PromptSource)
       summary.json                the learner's summary (at the end)
       report/                     plots and report.md (``python -m echo2.report``)
@@ -165,7 +168,8 @@ class RunDir:
         return self.checkpoints_dir / f"{_CHECKPOINT_PREFIX}{step:06d}"
 
     def checkpoint_dirs(self) -> list[Path]:
-        """The learner's checkpoint directories, oldest step first (complete or not)."""
+        """The learner's checkpoint directories, oldest step first (verified or not: see
+        ``echo2.training.checkpoint.newest_good_checkpoint``)."""
         if not self.checkpoints_dir.is_dir():
             return []
         found = [

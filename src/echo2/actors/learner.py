@@ -53,6 +53,13 @@ from echo2.rl import OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import load_job_task
 from echo2.training.accounting import TrainingAccount
+from echo2.training.checkpoint import (
+    TRAINED_TASKS_FILE,
+    CheckpointState,
+    newest_good_checkpoint,
+    newest_incarnation,
+    write_checkpoint,
+)
 from echo2.weights.chunks import flatten_tensors
 
 if TYPE_CHECKING:
@@ -121,6 +128,9 @@ class Learner(Actor):
     kind: ClassVar[str] = "learner"
     Config = LearnerConfig
     completes_run: ClassVar[bool] = True
+    # In-run, a restarted learner would begin at step 0 against a Buffer and samplers that
+    # are past it; it continues from its checkpoint only through --resume of the whole run.
+    restartable: ClassVar[bool] = False
     ports: ClassVar[dict[str, Port]] = {
         "batch": Port("dealer", bind=False),
         "snapshots": Port("push", bind=False, hwm=4),
@@ -170,6 +180,9 @@ class Learner(Actor):
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
         self.published_at_s = 0.0
+        self._checkpoint_versions: deque[int] = deque(maxlen=2)
+        """The versions of the last two checkpoints: a resume that finds the newest damaged
+        falls back to the one before, so the Buffer keeps what was trained since then."""
 
     def build_trainer(self) -> Trainer:
         """The trainer of this Learner (the seam a data-parallel Learner wraps)."""
@@ -319,45 +332,59 @@ class Learner(Actor):
         return now, self.version
 
     def save_checkpoint(self) -> Path | None:
+        """Write ``checkpoints/step_NNNNNN`` atomically, with digests (``echo2.training.checkpoint``)."""
         if self.ctx.run_dir is None:
             return None
-        directory = RunDir(self.ctx.run_dir).checkpoint_dir(self.version)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.trainer.save(directory)
-        (directory / "trained_tasks.json").write_text(json.dumps(sorted(self.account.trained_tasks)))
-        # state.json last: its presence marks the checkpoint complete (see _restore).
-        (directory / "state.json").write_text(
-            json.dumps({"step": self.version, "version": self.version, "incarnation": self.incarnation})
-        )
+        state = CheckpointState(step=self.version, version=self.version, incarnation=self.incarnation)
+
+        def fill(staging: Path) -> None:
+            self.trainer.save(staging)
+            (staging / TRAINED_TASKS_FILE).write_text(json.dumps(sorted(self.account.trained_tasks)))
+
+        directory = write_checkpoint(RunDir(self.ctx.run_dir).checkpoint_dir(self.version), state, fill)
+        if not self._checkpoint_versions or self._checkpoint_versions[-1] != self.version:
+            self._checkpoint_versions.append(self.version)
         return directory
 
     def _restore(self) -> None:
-        """Continue from the newest complete checkpoint under a new incarnation."""
+        """Continue from the newest checkpoint that verifies, under a new incarnation."""
         run = RunDir(self.ctx.run_dir) if self.ctx.run_dir is not None else None
-        complete = [d for d in run.checkpoint_dirs() if (d / "state.json").is_file()] if run is not None else []
-        if not complete:
-            where = run.checkpoints_dir if run is not None else None
-            self.ctx.log.warning("--resume: no complete checkpoint in %s; starting from the initial model", where)
+        directories = run.checkpoint_dirs() if run is not None else []
+        where = run.checkpoints_dir if run is not None else None
+        if not directories:
+            self.ctx.log.warning("--resume: no checkpoint in %s; starting from the initial model", where)
             return
-        directory = complete[-1]
-        state = json.loads((directory / "state.json").read_text())
-        self.trainer.load(directory)
-        trained = directory / "trained_tasks.json"
-        if trained.exists():
-            self.account.trained_tasks = set(json.loads(trained.read_text()))
-        previous = int(state["incarnation"])
-        self.version = int(state["version"])
-        # Versions published after this checkpoint by the crashed incarnation must never be
-        # mistaken for ours: a new incarnation orders after every old one.
+        found = newest_good_checkpoint(directories, self.ctx.log.warning)
+        # Versions published by any crashed incarnation (including one whose checkpoints were
+        # passed over) must never be mistaken for ours: a new incarnation orders after every
+        # old one, even when none of their checkpoints is usable.
+        previous = newest_incarnation(directories)
+        if found is None:
+            self.ctx.log.warning("--resume: no checkpoint in %s verifies; starting from the initial model", where)
+            origin = "the initial model"
+        else:
+            directory, state = found
+            self.trainer.load(directory)
+            trained = directory / TRAINED_TASKS_FILE
+            if trained.exists():
+                self.account.trained_tasks = set(json.loads(trained.read_text()))
+            self.version = state.version
+            previous = max(previous, state.incarnation)
+            origin = directory.name
+        self._checkpoint_versions.append(self.version)
         self.incarnation = previous + 1
         self.ctx.ledger(
             ledger.Resumed(incarnation=self.incarnation, previous_incarnation=previous, from_version=self.version)
         )
-        self.ctx.log.info("resumed from %s: version %d, incarnation %d", directory.name, self.version, self.incarnation)
+        self.ctx.log.info("resumed from %s: version %d, incarnation %d", origin, self.version, self.incarnation)
 
     async def _checkpoint(self) -> None:
-        if await asyncio.to_thread(self.save_checkpoint) is not None:
-            await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=self.version))
+        if await asyncio.to_thread(self.save_checkpoint) is None:
+            return
+        # The Buffer may drop what was trained before the checkpoint a resume would fall back
+        # to if the newest were damaged: the one before it (none yet: version 0).
+        fallback = self._checkpoint_versions[0] if len(self._checkpoint_versions) == 2 else 0
+        await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
 
     async def _finish(self, wall_s: float) -> None:
         self.trainer.close()

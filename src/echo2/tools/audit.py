@@ -13,8 +13,9 @@ ends as exactly one of: ``trained`` (by the Learner), ``dropped`` (stale while w
 overflow), ``unconsumed`` (still stored when the run ended) or handed to the learner in the
 batch it had requested when the run ended (in flight at shutdown).
 
-A resumed learner (``--resume``) logs where it restarted; trainings of the crashed
-incarnation after that point are void (``voided_by_resume``) and must happen again.
+A resumed learner (``--resume``) logs where it restarted; trainings of any earlier
+incarnation at or after that point are void (``voided_by_resume``) and must happen again
+(a resume past a damaged checkpoint restarts before the newest one).
 
 Violations:
   lost            accepted, and none of the above
@@ -91,9 +92,10 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     rejected: Counter[str] = Counter()
     drop_reasons: Counter[str] = Counter()
     accepted_order: list[tuple[str, int]] = []
-    # A resumed learner restarts from a checkpoint: what an older incarnation trained after
-    # that point died with it (the Buffer requeues those groups), so it does not count.
-    void_from = {e.previous_incarnation: e.from_version for e in contents.events if isinstance(e, ledger.Resumed)}
+    # A resumed learner restarts from a checkpoint: what any older incarnation trained at or
+    # after that point is in no model any more (the Buffer requeues those groups), so it
+    # does not count. Resumes as (incarnation, from_version).
+    resumes = [(e.incarnation, e.from_version) for e in contents.events if isinstance(e, ledger.Resumed)]
 
     for e in contents.events:
         match e:
@@ -115,7 +117,7 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
             case ledger.Handed():
                 handed[e.task] = e.request_version
             case ledger.Trained():
-                if e.incarnation in void_from and e.learner_version >= void_from[e.incarnation]:
+                if any(e.incarnation < later and e.learner_version >= start for later, start in resumes):
                     report.voided_by_resume += 1
                     continue
                 trained[e.task] += 1

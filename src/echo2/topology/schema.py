@@ -100,7 +100,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     restart: RestartPolicy = "never"
     """"never" or "on-failure": the launcher restarts the process when it dies (crash,
     kill -9) instead of stopping the run. For samplers and rewarders, whose lost work is
-    re-issued."""
+    re-issued; refused for a process holding a learner (continue that with ``--resume``)."""
     max_restarts: Annotated[int, Meta(ge=0)] = 10
     """Restarts allowed before a death of this process stops the run ("on-failure" only)."""
     restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
@@ -347,6 +347,13 @@ def validate(raw: Mapping[str, Any]) -> Topology:
             )
     if not actors:
         raise ConfigError("actors: the topology has no actors")
+    for actor in actors.values():
+        if processes[actor.process].restart != "never" and not actor.cls.restartable:
+            raise ConfigError(
+                f"{actor.name!r} ({actor.kind}) cannot be restarted within a run, it would start over from "
+                'step 0; use restart = "never" and continue a stopped run with --resume RUN_DIR',
+                path=f"processes.{actor.process}.restart",
+            )
     unused = sorted(set(declared) - set(processes) - {p for p in declared if "{i}" in p})
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))

@@ -48,7 +48,9 @@ class Trainer(Protocol):
         ...
 
     def save(self, directory: Path) -> None:
-        """Write the trainer's state (weights, optimiser) into the existing ``directory``."""
+        """Write the trainer's state (weights, optimiser) into the existing, empty ``directory``
+        (a staging directory that ``echo2.training.checkpoint.write_checkpoint`` digests and
+        commits; any file written there becomes part of the checkpoint)."""
         ...
 
     def load(self, directory: Path) -> None:
