@@ -3,8 +3,14 @@
     python -m echo2.launch.child --topology RUN_DIR/topology.resolved.json --process NAME
 
 Sets logging and torch's thread count for this process, builds the group's actors and runs
-them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them (it also
-stops if the launcher disappears). Exit code 1 when an actor failed.
+them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them. Exit code 1
+when an actor failed.
+
+The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
+without stopping us (SIGKILL), the kernel sends SIGTERM (``PR_SET_PDEATHSIG``; elsewhere a
+1 s poll notices): the process drains as on any stop, and since nobody reads its pipe any
+more, it first points its own stdout and stderr at its log, so what the drain says (the
+learner's final summary line, a failure) is not lost.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from echo2.errors import ActorFailed
+from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
 
@@ -46,17 +53,52 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def _watch_parent(parent_pid: int, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
-    """Stop if the launcher disappears (a backup to PR_SET_PDEATHSIG on other platforms)."""
+class LauncherWatch:
+    """Whether the launcher that started this process is still its parent; output after it."""
 
-    def watch() -> None:
-        while not runtime.stopping.is_set():
-            if os.getppid() != parent_pid:
-                loop.call_soon_threadsafe(runtime.request_stop, "launcher exited")
-                return
+    def __init__(self, log_path: Path) -> None:
+        self.launcher_pid = os.getppid()
+        self.log_path = log_path
+        self._output_moved = False
+
+    @property
+    def launcher_gone(self) -> bool:
+        return os.getppid() != self.launcher_pid  # an orphan is re-parented at once
+
+    def move_output_to_log(self) -> None:
+        """Once the launcher is gone: stdout and stderr append to this process's log."""
+        if self._output_moved or not self.launcher_gone:
+            return
+        self._output_moved = True
+        try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:  # said into the dead pipe: there is nowhere else to say it
+            log.warning("launcher exited and %s cannot be opened (%s): output is lost", self.log_path, exc)
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()  # what the dead pipe did not take is dropped, not re-sent
+        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, sys.stderr.fileno())
+        os.close(fd)
+        log.warning("launcher (pid %d) exited; stopping; output continues here", self.launcher_pid)
+
+
+def _watch_launcher(watch: LauncherWatch, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
+    """Stop if the launcher disappears (a backup to PR_SET_PDEATHSIG, which is Linux only)."""
+
+    def on_launcher_gone() -> None:
+        watch.move_output_to_log()
+        if not runtime.stopping.is_set():  # a second request would cancel the drain
+            runtime.request_stop("launcher exited")
+
+    def poll() -> None:
+        while not watch.launcher_gone:
             time.sleep(1.0)
+        with contextlib.suppress(RuntimeError):  # the loop already closed: the process is exiting
+            loop.call_soon_threadsafe(on_launcher_gone)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.process)
     resolved = ResolvedTopology.load(args.topology)
+    watch = LauncherWatch(RunDir(Path(resolved.run_dir)).log_path(args.process))
     spec = resolved.processes[args.process]
     _set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
@@ -89,8 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
         )
-        _watch_parent(os.getppid(), runtime, asyncio.get_running_loop())
-        await runtime.run(install_signal_handlers=True)
+        _watch_launcher(watch, runtime, asyncio.get_running_loop())
+        # The kernel's SIGTERM for a dead launcher comes before the poll sees it.
+        await runtime.run(install_signal_handlers=True, on_signal=lambda _: watch.move_output_to_log())
 
     try:
         _run_loop(amain())
