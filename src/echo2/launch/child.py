@@ -56,8 +56,8 @@ def _set_torch_threads(threads: int) -> None:
 class LauncherWatch:
     """Whether the launcher that started this process is still its parent; output after it."""
 
-    def __init__(self, log_path: Path) -> None:
-        self.launcher_pid = os.getppid()
+    def __init__(self, launcher_pid: int, log_path: Path) -> None:
+        self.launcher_pid = launcher_pid
         self.log_path = log_path
         self._output_moved = False
 
@@ -75,9 +75,6 @@ class LauncherWatch:
         except OSError as exc:  # said into the dead pipe: there is nowhere else to say it
             log.warning("launcher exited and %s cannot be opened (%s): output is lost", self.log_path, exc)
             return
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()  # what the dead pipe did not take is dropped, not re-sent
         os.dup2(fd, sys.stdout.fileno())
         os.dup2(fd, sys.stderr.fileno())
         os.close(fd)
@@ -102,6 +99,7 @@ def _watch_launcher(watch: LauncherWatch, runtime: ProcessRuntime, loop: asyncio
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    launcher_pid = os.getppid()  # first: a launcher dead before this line killed us already
     from echo2.topology import ResolvedTopology, build_process
 
     parser = argparse.ArgumentParser(prog="python -m echo2.launch.child")
@@ -110,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.process)
     resolved = ResolvedTopology.load(args.topology)
-    watch = LauncherWatch(RunDir(Path(resolved.run_dir)).log_path(args.process))
+    watch = LauncherWatch(launcher_pid, RunDir(Path(resolved.run_dir)).log_path(args.process))
     spec = resolved.processes[args.process]
     _set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
