@@ -4,7 +4,8 @@
 
 Sets logging and torch's thread count for this process, builds the group's actors and runs
 them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them. Exit code 1
-when an actor failed.
+when an actor failed, 74 when it failed because the run directory could not be written
+(full, read-only: the last line names the path and the error; ``echo2.launch.exits``).
 
 The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
 without stopping us (SIGKILL), the kernel sends SIGTERM (``PR_SET_PDEATHSIG``; elsewhere a
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from echo2.errors import ActorFailed
+from echo2.launch import exits
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
@@ -137,9 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _run_loop(amain())
     except ActorFailed as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno in exits.STORAGE_ERRNOS:
+            where = cause.filename if cause.filename is not None else resolved.run_dir
+            log.error("%s: exiting: actor %r %s", args.process, exc.actor, exits.cannot_write(where, cause))
+            return exits.STORAGE
         log.error("%s: exiting: %s", args.process, exc)
-        return 1
-    return 0
+        return exits.FAILED
+    return exits.OK
 
 
 def _run_loop(coro) -> None:

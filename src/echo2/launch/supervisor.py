@@ -12,9 +12,10 @@
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
   its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
-* Exit codes: 0 when the run completed (a ``completes_run`` actor's process exited 0, or
-  every process exited 0); 1 when a process failed or the run directory could not be
-  written (full disk, read-only: the line names the path and the error); 2 for a bad
+* Exit codes (``echo2.launch.exits``): 0 when the run completed (a ``completes_run`` actor's
+  process exited 0, or every process exited 0); 1 when a process failed or the run directory
+  could not be written (full disk, read-only: the line names the path and the error; a
+  child that cannot write exits 74 and is not restarted); 2 for a bad
   topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``);
   128 + the signal's number when stopped by one: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (a
   closed terminal; not handled when the launcher was started with SIGHUP ignored, as
@@ -36,7 +37,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from echo2.errors import ConfigError
+from echo2.launch import exits
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
@@ -62,9 +63,6 @@ KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
 _PR_SET_PDEATHSIG = 1
 _READ_CHUNK = 65536
-_EXIT_FAILED, _EXIT_BAD_CONFIG, _EXIT_DEADLINE = 1, 2, 124
-_EXIT_SIGNAL_BASE = 128
-_EXIT_SIGINT = _EXIT_SIGNAL_BASE + signal.SIGINT
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Signals that stop the run gracefully (a second one kills)."""
 
@@ -119,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _UsageError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return _EXIT_BAD_CONFIG
+        return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     source = args.topology
@@ -130,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = select_processes(topology, args.host)
     except ConfigError as exc:
         print(f"{source}: {exc}", file=sys.stderr)
-        return _EXIT_BAD_CONFIG
+        return exits.BAD_CONFIG
 
     if args.dry_run:
         run_id = new_run_id(topology.run.name)
@@ -143,18 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = RunDir(args.resume.absolute())
         if not run.is_run_dir():
             print(f"--resume: {run.root} is not a run directory (no {run.topology_path.name})", file=sys.stderr)
-            return _EXIT_BAD_CONFIG
+            return exits.BAD_CONFIG
         try:
             run.logs_dir.mkdir(exist_ok=True)
         except OSError as exc:
-            print(f"echo2: {cannot_write(run.logs_dir, exc)}; nothing started", file=sys.stderr)
-            return _EXIT_FAILED
+            print(f"echo2: {exits.cannot_write(run.logs_dir, exc)}; nothing started", file=sys.stderr)
+            return exits.FAILED
     else:
         try:
             run = RunDir.create(Path(topology.run.run_dir), new_run_id(topology.run.name))
         except OSError as exc:  # every fresh name taken, or the parent is not writable
             print(f"{source}: run.run_dir: {exc}", file=sys.stderr)
-            return _EXIT_BAD_CONFIG
+            return exits.BAD_CONFIG
     run_dir = run.root
     resolved = resolve(topology, run.name, str(run_dir))
     if args.resume is not None:
@@ -163,14 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         resolved.dump(resolved_path)
     except OSError as exc:  # a full disk or a read-only run directory: nothing started yet
-        print(f"echo2: {cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
-        return _EXIT_FAILED
+        print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
+        return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
         return asyncio.run(launcher.run())
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
-        return _EXIT_SIGINT
+        return exits.SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
             from echo2.tools.report import write_report
@@ -197,12 +195,6 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
     if not names:
         raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
     return names
-
-
-def cannot_write(path: Path, exc: OSError) -> str:
-    """One line for a write that failed: ``cannot write PATH: No space left on device (ENOSPC)``."""
-    code = errno.errorcode.get(exc.errno or 0)
-    return f"cannot write {path}: {exc.strerror or exc}" + (f" ({code})" if code else "")
 
 
 def _replace_struct(struct: Any, **changes: Any) -> Any:
@@ -394,7 +386,7 @@ class Launcher:
             )
         except OSError as exc:
             self.say(f"cannot start {child.describe()}: {exc}", error=True)
-            self._begin_shutdown(f"process {name!r} could not start", _EXIT_FAILED)
+            self._begin_shutdown(f"process {name!r} could not start", exits.FAILED)
             return False
         pumps.append(group.create_task(self._pump(child), name=f"output:{name}"))
         group.create_task(self._wait_exit(child), name=f"wait:{name}")
@@ -437,12 +429,12 @@ class Launcher:
                 log.close()
 
     def _storage_failed(self, path: Path, exc: OSError) -> None:
-        message = cannot_write(path, exc)
+        message = exits.cannot_write(path, exc)
         if message in self._storage_errors:
             return
         self._storage_errors.add(message)
         self.say(message, error=True)
-        self._begin_shutdown(message, _EXIT_FAILED)
+        self._begin_shutdown(message, exits.FAILED)
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -518,16 +510,16 @@ class Launcher:
             self._on_exit(child, code)
         elif kind == "signal":
             name = signal.Signals(payload).name
-            code = _EXIT_SIGNAL_BASE + payload
+            code = exits.SIGNAL_BASE + payload
             if not self.shutting_down:
                 self._begin_shutdown(f"{name} received", code)
             else:
-                if self.status not in (_EXIT_FAILED, _EXIT_DEADLINE):  # the first cause stays
+                if self.status not in (exits.FAILED, exits.DEADLINE):  # the first cause stays
                     self.status, self.reason = code, f"{self.reason}; forced by {name}"
                 self._kill_all(f"second signal ({name})")
         elif kind == "deadline":
             reason = f"deadline of {self.resolved.run.deadline_s:g} s reached before the run completed"
-            self._begin_shutdown(reason, _EXIT_DEADLINE)
+            self._begin_shutdown(reason, exits.DEADLINE)
         elif kind == "restart":
             child = payload
             if self.shutting_down:
@@ -566,13 +558,17 @@ class Launcher:
     def _on_exit(self, child: Child, code: int) -> None:
         if code != 0:
             what = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+            storage = code == exits.STORAGE  # a restart would fail the same way
+            if storage:
+                what += ": it could not write the run directory (its last line says where)"
             if self.shutting_down:
                 self.say(f"{child.describe()} exited with {what} during shutdown")
-            elif self._maybe_restart(child, what):
+            elif not storage and self._maybe_restart(child, what):
                 return
             else:
                 self.say(f"{child.describe()} failed with {what}", error=True)
-                self._begin_shutdown(f"process {child.name!r} failed", _EXIT_FAILED)
+                failed = "could not write the run directory" if storage else "failed"
+                self._begin_shutdown(f"process {child.name!r} {failed}", exits.FAILED)
         elif child.completes_run and not self.shutting_down:
             self.say(f"{child.describe()} completed the run")
             self._begin_shutdown(f"process {child.name!r} completed the run", 0)
@@ -610,12 +606,12 @@ class Launcher:
         try:
             _write_atomically(self.layout.status_path, json.dumps(status, indent=2))
         except OSError as exc:
-            self.say(f"status not written: {cannot_write(self.layout.status_path, exc)}", error=True)
+            self.say(f"status not written: {exits.cannot_write(self.layout.status_path, exc)}", error=True)
         ipc_dir = self.resolved.ipc_dir
         if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
             shutil.rmtree(ipc_dir, ignore_errors=True)
         self.say(
-            f"run {self.resolved.run_id} {_outcome(self.status)}: {self.reason} (exit {self.status}); "
+            f"run {self.resolved.run_id} {exits.outcome(self.status)}: {self.reason} (exit {self.status}); "
             f"run dir {self.run_dir}"
         )
 
@@ -629,16 +625,6 @@ class Launcher:
         except (OSError, ValueError, AttributeError):
             return None
         return steps if isinstance(steps, int) else None
-
-
-def _outcome(status: int) -> str:
-    if status == 0:
-        return "ok"
-    if status == _EXIT_FAILED:
-        return "FAILED"
-    if status == _EXIT_DEADLINE:
-        return "INCOMPLETE"
-    return "interrupted"
 
 
 def _discard_output(stream: TextIO) -> None:
