@@ -21,10 +21,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from echo2.errors import ActorFailed
@@ -53,6 +54,33 @@ def _set_torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # only settable before any parallel work started
         torch.set_num_interop_threads(1)
+
+
+class EarlyStop:
+    """SIGTERM or SIGINT before the runtime handles them: remembered, not fatal.
+
+    Building a process (imports, models) takes seconds; a stop requested then (the run's
+    deadline, Ctrl-C) must still drain, so that a learner writes its summary. Once handed
+    over, a signal goes straight to the runtime until the runtime installs its own handlers.
+    """
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._forward: Callable[[signal.Signals], None] | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        sig = signal.Signals(signum)
+        if self._forward is not None:
+            self._forward(sig)
+        elif self.signal is None:
+            self.signal = sig
+
+    def hand_over(self, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        self._forward = lambda sig: loop.call_soon_threadsafe(runtime.request_stop, sig.name)
+        if self.signal is not None:
+            runtime.request_stop(f"{self.signal.name} during start-up")
 
 
 class LauncherWatch:
@@ -102,6 +130,7 @@ def _watch_launcher(watch: LauncherWatch, runtime: ProcessRuntime, loop: asyncio
 
 def main(argv: Sequence[str] | None = None) -> int:
     launcher_pid = os.getppid()  # first: a launcher dead before this line killed us already
+    early_stop = EarlyStop()
     from echo2.topology import ResolvedTopology, build_process
 
     parser = argparse.ArgumentParser(prog="python -m echo2.launch.child")
@@ -132,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
         )
+        early_stop.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, runtime, asyncio.get_running_loop())
         # The kernel's SIGTERM for a dead launcher comes before the poll sees it.
         await runtime.run(install_signal_handlers=True, on_signal=lambda _: watch.move_output_to_log())
