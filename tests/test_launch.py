@@ -286,23 +286,32 @@ process = "main"
 
 
 @pytest.mark.timeout(90)
-def test_a_starved_learner_stopped_writes_its_summary(tmp_path: Path) -> None:
-    # No sampler: no batch ever reaches the learner, which waits until it is stopped.
+@pytest.mark.parametrize("stop", ["SIGINT", "deadline"])
+def test_a_starved_learner_stopped_writes_its_summary(tmp_path: Path, stop: str) -> None:
+    # No sampler: no batch ever reaches the learner, which waits until it is stopped. The
+    # deadline may pass while the learner's process still starts (imports, the model): it
+    # drains all the same.
     topology = write(tmp_path, STARVED)
-    with start(topology, "--run-dir", tmp_path / "runs") as proc:
+    deadline = ["--set", "run.deadline_s=3.0"] if stop == "deadline" else []
+    with start(topology, "--run-dir", tmp_path / "runs", *deadline) as proc:
         seen: list[str] = []
         assert proc.stdout is not None
-        read_until(proc.stdout, lambda s: "step 0: greedy accuracy" in s, seen)  # the learner's loop began
-        proc.send_signal(signal.SIGINT)
+        if stop == "SIGINT":
+            read_until(proc.stdout, lambda s: "step 0: greedy accuracy" in s, seen)  # the learner's loop began
+            proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait() == 130, "".join(seen) + rest
+        code = proc.wait()
+    expected_code, reason = (
+        (130, "SIGINT received") if stop == "SIGINT" else (124, "deadline of 3 s reached before the run completed")
+    )
+    assert code == expected_code, "".join(seen) + rest
     run = RunDir(the_run_dir(tmp_path / "runs"))
     summary = json.loads(run.summary_path.read_text())
     assert summary["steps"] == 0 and summary["max_steps"] == 5 and summary["stopped_by"] == "stop_request"
     assert "done (stopped before max_steps): 0 of 5 steps" in rest, rest
     assert "cancelling actors" not in rest, rest  # it returned by itself, well before the drain deadline
     status = json.loads(run.status_path.read_text())
-    assert status["exit_code"] == 130 and status["reason"] == "SIGINT received (0 steps trained)"
+    assert status["exit_code"] == expected_code and status["reason"] == f"{reason} (0 steps trained)"
 
 
 @pytest.fixture
