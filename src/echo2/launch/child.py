@@ -78,7 +78,10 @@ class EarlyStop:
             self.signal = sig
 
     def hand_over(self, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
-        self._forward = lambda sig: loop.call_soon_threadsafe(runtime.request_stop, sig.name)
+        def forward(sig: signal.Signals) -> None:  # in a signal handler: only the thread-safe call
+            loop.call_soon_threadsafe(runtime.request_stop, sig.name)
+
+        self._forward = forward
         if self.signal is not None:
             runtime.request_stop(f"{self.signal.name} during start-up")
 
