@@ -241,6 +241,7 @@ def test_children_of_a_killed_launcher_drain_and_log_to_their_files(tmp_path: Pa
         proc.kill()  # SIGKILL: the launcher can do nothing; the kernel tells its children
         proc.wait()
     wait_gone(pids, timeout_s=20)
+    assert not Path(json.loads(run.topology_path.read_text())["ipc_dir"]).exists()
     for name in ("a", "b"):
         log = run.log_path(name).read_text()
         assert "running until stopped" in log  # copied by the launcher while it lived

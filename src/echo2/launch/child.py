@@ -179,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return exits.STORAGE
         log.error("%s: exiting: %s", args.process, exc)
         return exits.FAILED
+    finally:
+        if watch.launcher_gone and resolved.ipc_dir:
+            # No launcher cleans up after us: the last process out removes the (then empty)
+            # directory of the run's ipc sockets, which ZeroMQ unlinks as it closes them.
+            with contextlib.suppress(OSError):
+                os.rmdir(resolved.ipc_dir)
     return exits.OK
 
 
