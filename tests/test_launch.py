@@ -188,6 +188,14 @@ def wait_gone(pids: dict[str, int], timeout_s: float) -> None:
     assert not alive, f"still running after {timeout_s} s: {alive}"
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition on the run's files until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)
+
+
 def _running(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -231,17 +239,32 @@ def test_stop_signal_drains_children_and_writes_status(tmp_path: Path, sig: sign
     assert not Path(json.loads(run.topology_path.read_text())["ipc_dir"]).exists()
 
 
+ORPHANS = (
+    IDLE.format(drain=10.0, stubborn="false")
+    + """
+[actors.source]
+kind = "counter_source"
+config = { count = 0 }
+[actors.sink]
+kind = "counter_sink"
+config = { expected_producers = 2 }   # one never comes: the sink waits, bound on ipc
+"""
+)
+
+
 @pytest.mark.timeout(40)
 def test_children_of_a_killed_launcher_drain_and_log_to_their_files(tmp_path: Path) -> None:
-    topology = write(tmp_path, IDLE.format(drain=10.0, stubborn="false"))
+    topology = write(tmp_path, ORPHANS)
     with start(topology, "--run-dir", tmp_path / "runs") as proc:
         wait_ready(proc, [], {"a", "b"})
         run = RunDir(the_run_dir(tmp_path / "runs"))
+        ipc_dir = Path(json.loads(run.topology_path.read_text())["ipc_dir"])
+        wait_for(lambda: ipc_dir.is_dir() and any(ipc_dir.iterdir()), 20, "the sink's ipc socket")
         pids = json.loads(run.pids_path.read_text())["processes"]
         proc.kill()  # SIGKILL: the launcher can do nothing; the kernel tells its children
         proc.wait()
     wait_gone(pids, timeout_s=20)
-    assert not Path(json.loads(run.topology_path.read_text())["ipc_dir"]).exists()
+    assert not ipc_dir.exists()  # the last child out removed it
     for name in ("a", "b"):
         log = run.log_path(name).read_text()
         assert "running until stopped" in log  # copied by the launcher while it lived
