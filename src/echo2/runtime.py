@@ -24,7 +24,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
@@ -91,11 +91,6 @@ class ProcessRuntime:
         self.stopping.set()
         self._wake.set()
 
-    def _on_signal(self, sig: signal.Signals, hook: Callable[[signal.Signals], None] | None) -> None:
-        if hook is not None:
-            hook(sig)
-        self.request_stop(sig.name)
-
     def force_stop(self, reason: str) -> None:
         if not self._forced:
             log.warning("%s: cancelling actors (%s)", self.process, reason)
@@ -116,18 +111,11 @@ class ProcessRuntime:
 
     # -- main ------------------------------------------------------------------------
 
-    async def run(
-        self,
-        *,
-        install_signal_handlers: bool = False,
-        on_signal: Callable[[signal.Signals], None] | None = None,
-    ) -> None:
-        """Set up, run and tear down the actors; SIGINT and SIGTERM request a stop when
-        ``install_signal_handlers`` (``on_signal`` is called first, with the signal)."""
+    async def run(self, *, install_signal_handlers: bool = False) -> None:
         loop = asyncio.get_running_loop()
         if install_signal_handlers:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig), on_signal)
+                loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 if self._transport is None:

@@ -8,7 +8,7 @@ when an actor failed, 74 when it failed because the run directory could not be w
 (full, read-only: the last line names the path and the error; ``echo2.launch.exits``).
 
 The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
-without stopping us (SIGKILL), the kernel sends SIGTERM (``PR_SET_PDEATHSIG``; elsewhere a
+without stopping us (SIGKILL), the kernel sends SIGHUP (``PR_SET_PDEATHSIG``; elsewhere a
 1 s poll notices): the process drains as on any stop, and since nobody reads its pipe any
 more, it first points its own stdout and stderr at its log, so what the drain says (the
 learner's final summary line, a failure) is not lost.
@@ -25,9 +25,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from echo2.actor import PortAddresses
 from echo2.errors import ActorFailed
 from echo2.launch import exits
 from echo2.rundir import RunDir
@@ -56,51 +57,62 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-class EarlyStop:
-    """SIGTERM or SIGINT before the runtime handles them: remembered, not fatal.
+class StopSignals:
+    """SIGINT, SIGTERM and exits.LAUNCHER_DIED, from the first line of ``main`` to the end.
 
     Building a process (imports, models) takes seconds; a stop requested then (the run's
-    deadline, Ctrl-C) must still drain, so that a learner writes its summary. Once handed
-    over, a signal goes straight to the runtime until the runtime installs its own handlers.
+    deadline, Ctrl-C) is remembered and drains once the runtime runs, so that a learner
+    still writes its summary. Once handed over, a signal goes straight to the runtime (the
+    runtime installs its own SIGINT and SIGTERM handlers when it starts running).
     """
 
-    def __init__(self) -> None:
-        self.signal: signal.Signals | None = None
-        self._forward: Callable[[signal.Signals], None] | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+    def __init__(self, watch: LauncherWatch) -> None:
+        self.pending: str | None = None
+        self._watch = watch
+        self._forward: Callable[[str], None] | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM, exits.LAUNCHER_DIED):
+            signal.signal(sig, self.handle)
 
-    def _handle(self, signum: int, frame: object) -> None:
-        sig = signal.Signals(signum)
+    def handle(self, signum: int, frame: object) -> None:
+        reason = signal.Signals(signum).name
+        if signum == exits.LAUNCHER_DIED:
+            self._watch.move_output_to_log()
+            reason = "launcher exited"
         if self._forward is not None:
-            self._forward(sig)
-        elif self.signal is None:
-            self.signal = sig
+            self._forward(reason)
+        elif self.pending is None:
+            self.pending = reason
 
     def hand_over(self, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
-        def forward(sig: signal.Signals) -> None:  # in a signal handler: only the thread-safe call
-            loop.call_soon_threadsafe(runtime.request_stop, sig.name)
+        def stop(reason: str) -> None:
+            if not runtime.stopping.is_set():  # a second request would cut the drain short
+                runtime.request_stop(reason)
+
+        def forward(reason: str) -> None:  # in a signal handler: only the thread-safe call
+            with contextlib.suppress(RuntimeError):  # the loop closed: the process is exiting
+                loop.call_soon_threadsafe(stop, reason)
 
         self._forward = forward
-        if self.signal is not None:
-            runtime.request_stop(f"{self.signal.name} during start-up")
+        if self.pending is not None:
+            runtime.request_stop(f"{self.pending} during start-up")
 
 
 class LauncherWatch:
     """Whether the launcher that started this process is still its parent; output after it."""
 
-    def __init__(self, launcher_pid: int, log_path: Path) -> None:
+    def __init__(self, launcher_pid: int) -> None:
         self.launcher_pid = launcher_pid
-        self.log_path = log_path
+        self.log_path: Path | None = None
+        """This process's log, once the resolved topology has been read."""
         self._output_moved = False
 
     @property
     def launcher_gone(self) -> bool:
-        return os.getppid() != self.launcher_pid  # an orphan is re-parented at once
+        return os.getppid() != self.launcher_pid  # an orphan is re-parented
 
     def move_output_to_log(self) -> None:
-        """Once the launcher is gone: stdout and stderr append to this process's log."""
-        if self._output_moved or not self.launcher_gone:
+        """The launcher is gone: stdout and stderr append to this process's log from now on."""
+        if self._output_moved or self.log_path is None:
             return
         self._output_moved = True
         try:
@@ -114,26 +126,36 @@ class LauncherWatch:
         log.warning("launcher (pid %d) exited; stopping; output continues here", self.launcher_pid)
 
 
-def _watch_launcher(watch: LauncherWatch, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
-    """Stop if the launcher disappears (a backup to PR_SET_PDEATHSIG, which is Linux only)."""
+def _remove_ipc_sockets(addresses: Mapping[str, Mapping[str, PortAddresses]], ipc_dir: str) -> None:
+    """No launcher cleans up after us: remove the ipc sockets this process bound, and the
+    run's ipc directory if that leaves it empty (the last process out removes it)."""
+    for ports in addresses.values():
+        for port in ports.values():
+            for url in port.bind:
+                if url.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(url.removeprefix("ipc://"))
+    if ipc_dir:
+        with contextlib.suppress(OSError):
+            os.rmdir(ipc_dir)
 
-    def on_launcher_gone() -> None:
-        watch.move_output_to_log()
-        if not runtime.stopping.is_set():  # a second request would cancel the drain
-            runtime.request_stop("launcher exited")
+
+def _watch_launcher(watch: LauncherWatch, signals: StopSignals) -> None:
+    """Stop if the launcher disappears where the kernel does not say so (not Linux)."""
 
     def poll() -> None:
         while not watch.launcher_gone:
             time.sleep(1.0)
-        with contextlib.suppress(RuntimeError):  # the loop already closed: the process is exiting
-            loop.call_soon_threadsafe(on_launcher_gone)
+        watch.move_output_to_log()  # a race with the signal's handler at worst moves it once
+        signals.handle(exits.LAUNCHER_DIED, None)
 
     threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     launcher_pid = os.getppid()  # first: a launcher dead before this line killed us already
-    early_stop = EarlyStop()
+    watch = LauncherWatch(launcher_pid)
+    signals = StopSignals(watch)
     from echo2.topology import ResolvedTopology, build_process
 
     parser = argparse.ArgumentParser(prog="python -m echo2.launch.child")
@@ -142,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.process)
     resolved = ResolvedTopology.load(args.topology)
-    watch = LauncherWatch(launcher_pid, RunDir(Path(resolved.run_dir)).log_path(args.process))
+    watch.log_path = RunDir(Path(resolved.run_dir)).log_path(args.process)
     spec = resolved.processes[args.process]
     _set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
@@ -164,10 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
         )
-        early_stop.hand_over(runtime, asyncio.get_running_loop())
-        _watch_launcher(watch, runtime, asyncio.get_running_loop())
-        # The kernel's SIGTERM for a dead launcher comes before the poll sees it.
-        await runtime.run(install_signal_handlers=True, on_signal=lambda _: watch.move_output_to_log())
+        signals.hand_over(runtime, asyncio.get_running_loop())
+        _watch_launcher(watch, signals)
+        await runtime.run(install_signal_handlers=True)
 
     try:
         _run_loop(amain())
@@ -180,11 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s: exiting: %s", args.process, exc)
         return exits.FAILED
     finally:
-        if watch.launcher_gone and resolved.ipc_dir:
-            # No launcher cleans up after us: the last process out removes the (then empty)
-            # directory of the run's ipc sockets, which ZeroMQ unlinks as it closes them.
-            with contextlib.suppress(OSError):
-                os.rmdir(resolved.ipc_dir)
+        if watch.launcher_gone:
+            _remove_ipc_sockets(addresses, resolved.ipc_dir)
     return exits.OK
 
 

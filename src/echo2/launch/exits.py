@@ -1,4 +1,4 @@
-"""Exit codes of the launcher and of the processes it starts, and the words that go with them.
+"""How the launcher and the processes it starts end: exit codes, their words, the signals.
 
 The launcher's code says how the run ended (``python -m echo2.launch``'s docstring lists
 them); a child's says how its process ended, and the launcher reads it. One table, so that
@@ -23,6 +23,13 @@ DEADLINE = 124
 SIGNAL_BASE = 128
 """Stopped by signal N: 128 + N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), as shells report it."""
 SIGINT = SIGNAL_BASE + signal.SIGINT
+
+LAUNCHER_DIED = signal.SIGHUP
+"""What the kernel sends a child when its launcher dies (``PR_SET_PDEATHSIG``, which the
+launcher sets). Not SIGTERM, which the launcher sends to stop a child: the child must tell
+the two apart at once, since what it writes after the launcher died goes into a pipe nobody
+reads (during the launcher's exit its pid can still be the child's parent's). Children run
+in their own session, so no terminal's hang-up reaches them."""
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 """Write errors that say the run directory cannot take more, not that the program is wrong."""

@@ -25,8 +25,9 @@
   SIGKILL to those still alive ``run.drain_timeout_s + 5`` s later; their output is copied
   to the logs until it ends, then ``status.json`` is written and the ipc directory removed.
   A second signal kills at once. The launcher only ever signals the PIDs it started. A
-  launcher killed with SIGKILL cannot do this: each child then gets SIGTERM from the kernel
-  (``PR_SET_PDEATHSIG``), drains, and writes its remaining output to its log itself.
+  launcher killed with SIGKILL cannot do this: each child then gets SIGHUP from the kernel
+  (``PR_SET_PDEATHSIG``), drains, writes its remaining output to its log itself, and the
+  last one out removes the ipc directory; no ``status.json`` is written.
 """
 
 from __future__ import annotations
@@ -457,7 +458,7 @@ class Launcher:
             return None
 
         def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            prctl(_PR_SET_PDEATHSIG, int(exits.LAUNCHER_DIED), 0, 0, 0)
             if os.getppid() != parent:  # the launcher died before prctl took effect
                 os._exit(1)
 
