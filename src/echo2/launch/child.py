@@ -105,13 +105,17 @@ class LauncherWatch:
         self.log_path: Path | None = None
         """This process's log, once the resolved topology has been read."""
         self._output_moved = False
+        self._told = False
 
     @property
     def launcher_gone(self) -> bool:
-        return os.getppid() != self.launcher_pid  # an orphan is re-parented
+        # Told by the kernel, or re-parented (which, while the launcher's last threads
+        # exit, can come after the kernel's word).
+        return self._told or os.getppid() != self.launcher_pid
 
     def move_output_to_log(self) -> None:
         """The launcher is gone: stdout and stderr append to this process's log from now on."""
+        self._told = True
         if self._output_moved or self.log_path is None:
             return
         self._output_moved = True
