@@ -6,6 +6,7 @@ process exit, never on sleeps.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -15,7 +16,8 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -34,7 +36,7 @@ def launch(*args: str | Path, timeout: float = 30) -> subprocess.CompletedProces
     return subprocess.run([*LAUNCH, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def start(*args: str | Path) -> subprocess.Popen[str]:
+def start(*args: str | Path, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*LAUNCH, *map(str, args)],
         stdout=subprocess.PIPE,
@@ -42,6 +44,7 @@ def start(*args: str | Path) -> subprocess.Popen[str]:
         stdin=subprocess.DEVNULL,
         text=True,
         cwd=ROOT,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -169,27 +172,229 @@ config = {{ ignore_stop = {stubborn} }}
 """
 
 
+def wait_ready(proc: subprocess.Popen[str], seen: list[str], names: set[str]) -> None:
+    """Until every named idle child's runtime is up (its signal handlers are installed)."""
+    assert proc.stdout is not None
+    while names:
+        line = read_until(proc.stdout, lambda s: "running until stopped" in s, seen)
+        names.discard(line[1 : line.index("]")])
+
+
+def wait_gone(pids: dict[str, int], timeout_s: float) -> None:
+    """Poll until none of ``pids`` runs (a zombie no one reaps counts as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [name for name, pid in pids.items() if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"still running after {timeout_s} s: {alive}"
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition on the run's files until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _default_sighup() -> None:  # in the launcher before exec: a test run under nohup ignores SIGHUP
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.mark.timeout(30)
-def test_sigint_stops_everything_gracefully(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_stop_signal_drains_children_and_writes_status(tmp_path: Path, sig: signal.Signals) -> None:
     topology = write(tmp_path, IDLE.format(drain=10.0, stubborn="false"))
-    with start(topology, "--run-dir", tmp_path / "runs") as proc:
+    with start(topology, "--run-dir", tmp_path / "runs", preexec_fn=_default_sighup) as proc:
         seen: list[str] = []
+        wait_ready(proc, seen, {"a", "b"})
+        run = RunDir(the_run_dir(tmp_path / "runs"))
+        pids = json.loads(run.pids_path.read_text())["processes"]
+        proc.send_signal(sig)
         assert proc.stdout is not None
-        ready = {"a", "b"}
-        while ready:  # every child's runtime is up (its signal handlers are installed)
-            line = read_until(proc.stdout, lambda s: "running until stopped" in s, seen)
-            ready.discard(line[1 : line.index("]")])
-        run_dir = the_run_dir(tmp_path / "runs")
-        pids = json.loads(RunDir(run_dir).pids_path.read_text())["processes"]
-        proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
-        assert proc.wait() == 130, "".join(seen) + rest  # the test's timeout bounds a hang
-    assert "stopping (SIGINT received)" in rest
+        assert proc.wait() == 128 + sig, "".join(seen) + rest  # the test's timeout bounds a hang
+    assert f"stopping ({sig.name} received)" in rest
     # Drained, not cut short: each actor returned by itself before any deadline passed.
     assert "a: actor a finished" in rest and "b: actor b finished" in rest, rest
     assert "cancelling actors" not in rest and "killing" not in rest, rest
-    assert json.loads(RunDir(run_dir).status_path.read_text())["processes"] == {"a": 0, "b": 0}
+    status = json.loads(run.status_path.read_text())
+    assert status == {"exit_code": 128 + sig, "reason": f"{sig.name} received", "processes": {"a": 0, "b": 0}}
+    assert "a: actor a finished" in run.log_path("a").read_text()  # the drain's output reached the log
+    assert f"echo2: run {run.name} interrupted: {sig.name} received (exit {128 + sig})" in rest, rest
     assert_gone(pids)
+    assert not Path(json.loads(run.topology_path.read_text())["ipc_dir"]).exists()
+
+
+ORPHANS = (
+    IDLE.format(drain=10.0, stubborn="false")
+    + """
+[actors.source]
+kind = "counter_source"
+config = { count = 0 }
+[actors.sink]
+kind = "counter_sink"
+config = { expected_producers = 2 }   # one never comes: the sink waits, bound on ipc
+"""
+)
+
+
+@pytest.mark.timeout(40)
+def test_children_of_a_killed_launcher_drain_and_log_to_their_files(tmp_path: Path) -> None:
+    topology = write(tmp_path, ORPHANS)
+    with start(topology, "--run-dir", tmp_path / "runs") as proc:
+        wait_ready(proc, [], {"a", "b"})
+        run = RunDir(the_run_dir(tmp_path / "runs"))
+        ipc_dir = Path(json.loads(run.topology_path.read_text())["ipc_dir"])
+        wait_for(lambda: ipc_dir.is_dir() and any(ipc_dir.iterdir()), 20, "the sink's ipc socket")
+        pids = json.loads(run.pids_path.read_text())["processes"]
+        proc.kill()  # SIGKILL: the launcher can do nothing; the kernel tells its children
+        proc.wait()
+    wait_gone(pids, timeout_s=20)
+    assert not ipc_dir.exists()  # the last child out removed it
+    for name in ("a", "b"):
+        log = run.log_path(name).read_text()
+        assert "running until stopped" in log  # copied by the launcher while it lived
+        assert f"launcher (pid {proc.pid}) exited" in log and f"actor {name} finished" in log, log
+
+
+STARVED = """
+[run]
+name = "starved"
+drain_timeout_s = 20.0
+[job]
+groups_per_step = 2
+group_size = 2
+[processes.main]
+[actors.prompt_source]
+kind = "prompt_source"
+process = "main"
+[actors.rewarder]
+kind = "rewarder"
+process = "main"
+[actors.buffer]
+kind = "buffer"
+process = "main"
+[actors.learner]
+kind = "learner"
+process = "main"
+config = { max_steps = 5, eval_prompts = 4, eval_every = 0, warmup_steps = 0 }
+[actors.weight_publisher]
+kind = "weight_publisher"
+process = "main"
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stop", ["SIGINT", "deadline"])
+def test_a_starved_learner_stopped_writes_its_summary_and_exits_non_zero(tmp_path: Path, stop: str) -> None:
+    # No sampler: no batch ever reaches the learner, which waits until it is stopped. The
+    # deadline may pass while the learner's process still starts (imports, the model): it
+    # drains all the same.
+    topology = write(tmp_path, STARVED)
+    deadline = ["--set", "run.deadline_s=3.0"] if stop == "deadline" else []
+    with start(topology, "--run-dir", tmp_path / "runs", *deadline) as proc:
+        seen: list[str] = []
+        assert proc.stdout is not None
+        if stop == "SIGINT":
+            read_until(proc.stdout, lambda s: "step 0: greedy accuracy" in s, seen)  # the learner's loop began
+            proc.send_signal(signal.SIGINT)
+        rest = proc.stdout.read()
+        code = proc.wait()
+    expected_code, reason = (
+        (130, "SIGINT received") if stop == "SIGINT" else (124, "deadline of 3 s reached before the run completed")
+    )
+    assert code == expected_code, "".join(seen) + rest
+    run = RunDir(the_run_dir(tmp_path / "runs"))
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["steps"] == 0 and summary["max_steps"] == 5 and summary["stopped_by"] == "stop_request"
+    assert "done (stopped before max_steps): 0 of 5 steps" in rest, rest
+    assert "cancelling actors" not in rest, rest  # it returned by itself, well before the drain deadline
+    status = json.loads(run.status_path.read_text())
+    assert status["exit_code"] == expected_code and status["reason"] == f"{reason} (0 steps trained)"
+    outcome = "interrupted" if stop == "SIGINT" else "INCOMPLETE"
+    assert f"echo2: run {run.name} {outcome}: {reason} (0 steps trained) (exit {expected_code})" in rest, rest
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, to fill or make read-only (needs root, as CI and this project's machines have)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root needed): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def _fill(directory: Path) -> None:
+    """Write a file in ``directory`` until its file system has no block left."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        chunk = b"\0" * 65536
+        while True:
+            try:
+                os.write(fd, chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(30)
+def test_a_full_disk_stops_the_run_with_one_line(tiny_disk: Path) -> None:
+    topology = write(tiny_disk.parent, IDLE.format(drain=10.0, stubborn="false"))
+    with start(topology, "--run-dir", tiny_disk / "runs") as proc:
+        seen: list[str] = []
+        wait_ready(proc, seen, {"a", "b"})
+        run = RunDir(the_run_dir(tiny_disk / "runs"))
+        pids = json.loads(run.pids_path.read_text())["processes"]
+        # tmpfs counts whole pages: pad a's log to a page boundary, so that the next line
+        # the launcher copies there needs a page the full disk no longer has.
+        log_a = run.log_path("a")
+        with open(log_a, "a") as pad:
+            pad.write("#" * (-(log_a.stat().st_size + 1) % os.sysconf("SC_PAGE_SIZE")) + "\n")
+        _fill(tiny_disk)
+        os.kill(pids["a"], signal.SIGTERM)  # a logs that it stops: the launcher's write fails
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert proc.wait() == 1, "".join(seen) + rest
+    error = f"cannot write {log_a}: No space left on device (ENOSPC)"
+    assert f"echo2: {error}\n" in rest, rest
+    assert "Traceback" not in rest and "killing" not in rest, rest  # the launcher neither crashed nor killed
+    assert "b: actor b finished" in rest, rest  # b drained on the launcher's SIGTERM
+    assert f"echo2: status not written: cannot write {run.status_path}: No space left on device" in rest, rest
+    assert f"echo2: run {run.name} FAILED: {error} (exit 1)" in rest, rest
+    assert_gone(pids)
+
+
+def test_a_read_only_run_directory_is_one_line(tiny_disk: Path) -> None:
+    run = RunDir(tiny_disk / "run")
+    run.logs_dir.mkdir(parents=True)
+    run.topology_path.write_text("{}")  # a run directory, as far as --resume looks before writing
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True)
+    result = launch(SMOKE, "--resume", run.root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr == (
+        f"echo2: cannot write {run.topology_path}: Read-only file system (EROFS); nothing started\n"
+    )
 
 
 @pytest.mark.timeout(30)

@@ -23,9 +23,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -240,3 +240,30 @@ async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any,
         await stopping.wait()
         for task in tasks:
             task.cancel()
+
+
+T = TypeVar("T")
+
+
+async def until_stopping(stopping: asyncio.Event, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
+    """Await ``awaitable`` unless ``stopping`` is set first.
+
+    Returns ``(True, result)`` when it completed, ``(False, None)`` when the run is stopping
+    (the awaitable is then cancelled; a cancelled pyzmq receive loses no message).
+    """
+    if stopping.is_set():
+        if asyncio.iscoroutine(awaitable):
+            awaitable.close()
+        return False, None
+    work = asyncio.ensure_future(awaitable)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # Both tasks end here, on every path (also when we are cancelled ourselves).
+        for task in (work, stop):
+            task.cancel()
+        await asyncio.wait((work, stop))
+    if work.cancelled():
+        return False, None
+    return True, work.result()

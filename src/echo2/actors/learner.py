@@ -29,8 +29,9 @@ Input: ``batch`` (DEALER) — ``Batch`` replies from the Buffer.
 Output: ``Snapshot`` on ``snapshots`` (PUSH, to the WeightPublisher); metrics in
 ``run_dir/metrics/<name>.jsonl``; ``summary.json``; checkpoints.
 
-Shutdown: returns after ``max_steps`` (this completes the run) or on ``stopping``, writing
-a final evaluation, checkpoint and summary either way.
+Shutdown: returns after ``max_steps`` (this completes the run) or on ``stopping``, also
+while it waits for a batch that never comes, writing a final evaluation, checkpoint and
+summary either way; ``summary.json`` says which (``stopped_by``, ``max_steps``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
-from echo2.actor import Actor, ActorConfig, Port
+from echo2.actor import Actor, ActorConfig, Port, until_stopping
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
 from echo2.rl import OldPolicy
@@ -68,6 +69,15 @@ if TYPE_CHECKING:
     from echo2.models.tiny import TinyTransformer
     from echo2.rl.step import StepSettings
     from echo2.training.trainer import Trainer
+
+
+StoppedBy = Literal["max_steps", "max_wall_s", "stop_request"]
+"""Why the learner's loop ended, as ``summary.json`` records it (``stopped_by``)."""
+_STOPPED_BY_TEXT: dict[StoppedBy, str] = {
+    "max_steps": "max_steps reached",
+    "max_wall_s": "wall-clock budget reached",
+    "stop_request": "stopped before max_steps",
+}
 
 
 class LearnerConfig(ActorConfig, frozen=True):
@@ -221,12 +231,24 @@ class Learner(Actor):
         await self._publish()
         await self._request()
         last_log = (time.monotonic(), 0)
-        while self.version < self.config.max_steps and not self.ctx.stopping.is_set():
+        stopped_by: StoppedBy = "max_steps"
+        while self.version < self.config.max_steps:
+            if self.ctx.stopping.is_set():
+                stopped_by = "stop_request"
+                break
             if self.config.max_wall_s and time.monotonic() - started >= self.config.max_wall_s:
                 self.ctx.log.info("wall-clock budget of %.0f s reached", self.config.max_wall_s)
+                stopped_by = "max_wall_s"
                 break
             waited = time.perf_counter()
-            batch = await self._receive_batch()
+            # A learner no batch reaches (samplers that cannot produce, a peer on a dead
+            # link) still stops on request and writes its summary: what it did not train
+            # is as much the run's result as what it did.
+            received, batch = await until_stopping(self.ctx.stopping, self._receive_batch())
+            if not received:
+                stopped_by = "stop_request"
+                break
+            assert batch is not None
             wait_s = time.perf_counter() - waited
             if self.version + 1 < self.config.max_steps:
                 await self._request(self.version + 1)
@@ -247,7 +269,7 @@ class Learner(Actor):
             self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
             if self.version % self.config.log_every == 0 or "accuracy" in record:
                 last_log = self._log_progress(record, last_log)
-        await self._finish(time.monotonic() - started)
+        await self._finish(time.monotonic() - started, stopped_by)
 
     async def _request(self, version: int | None = None) -> None:
         self._request_id += 1
@@ -386,7 +408,7 @@ class Learner(Actor):
         fallback = self._checkpoint_versions[0] if len(self._checkpoint_versions) == 2 else 0
         await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
 
-    async def _finish(self, wall_s: float) -> None:
+    async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         self.trainer.close()
         if not self.evals or self.evals[-1][0] != self.version:
             self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
@@ -394,6 +416,8 @@ class Learner(Actor):
         busy = self.wait_s + self.train_s
         summary = {
             "steps": self.version,
+            "max_steps": self.config.max_steps,
+            "stopped_by": stopped_by,
             "wall_s": round(wall_s, 2),
             "staleness_budget": self.job.staleness,
             "kappa": self.kappa,
@@ -409,8 +433,10 @@ class Learner(Actor):
         }
         self.summary = summary
         self.ctx.log.info(
-            "done: %d steps in %.0f s, greedy accuracy %.3f -> %.3f, staleness max %d (S=%d)",
+            "done (%s): %d of %d steps in %.0f s, greedy accuracy %.3f -> %.3f, staleness max %d (S=%d)",
+            _STOPPED_BY_TEXT[stopped_by],
             summary["steps"],
+            self.config.max_steps,
             wall_s,
             summary["initial_accuracy"],
             summary["final_accuracy"],

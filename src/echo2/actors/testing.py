@@ -25,41 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import Annotated, ClassVar, TypeVar
+from typing import Annotated, ClassVar
 
 from msgspec import Meta
 
-from echo2.actor import Actor, ActorConfig, ActorContext, Port
+from echo2.actor import Actor, ActorConfig, ActorContext, Port, until_stopping
 from echo2.errors import EndOfStream
 from echo2.job import JobConfig
 from echo2.messages import HEARTBEAT_TOPIC, TELEMETRY_CHANNEL, CustomStats, Heartbeat, MetricsRecord
-
-T = TypeVar("T")
-
-
-async def until_stopping(stopping: asyncio.Event, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
-    """Await ``awaitable`` unless ``stopping`` is set first.
-
-    Returns ``(True, result)`` when it completed, ``(False, None)`` when the run is stopping
-    (the awaitable is then cancelled; a cancelled pyzmq receive loses no message).
-    """
-    if stopping.is_set():
-        if asyncio.iscoroutine(awaitable):
-            awaitable.close()
-        return False, None
-    work = asyncio.ensure_future(awaitable)
-    stop = asyncio.ensure_future(stopping.wait())
-    try:
-        await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        # Both tasks end here, on every path (also when we are cancelled ourselves).
-        for task in (work, stop):
-            task.cancel()
-        await asyncio.wait((work, stop))
-    if work.cancelled():
-        return False, None
-    return True, work.result()
 
 
 class CounterSource(Actor):

@@ -3,8 +3,15 @@
     python -m echo2.launch.child --topology RUN_DIR/topology.resolved.json --process NAME
 
 Sets logging and torch's thread count for this process, builds the group's actors and runs
-them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them (it also
-stops if the launcher disappears). Exit code 1 when an actor failed.
+them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them. Exit code 1
+when an actor failed, 74 when it failed because the run directory could not be written
+(full, read-only: the last line names the path and the error; ``echo2.launch.exits``).
+
+The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
+without stopping us (SIGKILL), the kernel sends SIGHUP (``PR_SET_PDEATHSIG``; elsewhere a
+1 s poll notices): the process drains as on any stop, and since nobody reads its pipe any
+more, it first points its own stdout and stderr at its log, so what the drain says (the
+learner's final summary line, a failure) is not lost.
 """
 
 from __future__ import annotations
@@ -14,13 +21,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from echo2.actor import PortAddresses
 from echo2.errors import ActorFailed
+from echo2.launch import exits
+from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
 
@@ -46,20 +57,109 @@ def _set_torch_threads(threads: int) -> None:
         torch.set_num_interop_threads(1)
 
 
-def _watch_parent(parent_pid: int, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
-    """Stop if the launcher disappears (a backup to PR_SET_PDEATHSIG on other platforms)."""
+class StopSignals:
+    """SIGINT, SIGTERM and exits.LAUNCHER_DIED, from the first line of ``main`` to the end.
 
-    def watch() -> None:
-        while not runtime.stopping.is_set():
-            if os.getppid() != parent_pid:
-                loop.call_soon_threadsafe(runtime.request_stop, "launcher exited")
-                return
+    Building a process (imports, models) takes seconds; a stop requested then (the run's
+    deadline, Ctrl-C) is remembered and drains once the runtime runs, so that a learner
+    still writes its summary. Once handed over, a signal goes straight to the runtime (the
+    runtime installs its own SIGINT and SIGTERM handlers when it starts running).
+    """
+
+    def __init__(self, watch: LauncherWatch) -> None:
+        self.pending: str | None = None
+        self._watch = watch
+        self._forward: Callable[[str], None] | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM, exits.LAUNCHER_DIED):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: object) -> None:
+        reason = signal.Signals(signum).name
+        if signum == exits.LAUNCHER_DIED:
+            self._watch.move_output_to_log()
+            reason = "launcher exited"
+        if self._forward is not None:
+            self._forward(reason)
+        elif self.pending is None:
+            self.pending = reason
+
+    def hand_over(self, runtime: ProcessRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        def stop(reason: str) -> None:
+            if not runtime.stopping.is_set():  # a second request would cut the drain short
+                runtime.request_stop(reason)
+
+        def forward(reason: str) -> None:  # in a signal handler: only the thread-safe call
+            with contextlib.suppress(RuntimeError):  # the loop closed: the process is exiting
+                loop.call_soon_threadsafe(stop, reason)
+
+        self._forward = forward
+        if self.pending is not None:
+            runtime.request_stop(f"{self.pending} during start-up")
+
+
+class LauncherWatch:
+    """Whether the launcher that started this process is still its parent; output after it."""
+
+    def __init__(self, launcher_pid: int) -> None:
+        self.launcher_pid = launcher_pid
+        self.log_path: Path | None = None
+        """This process's log, once the resolved topology has been read."""
+        self._output_moved = False
+        self._told = False
+
+    @property
+    def launcher_gone(self) -> bool:
+        # Told by the kernel, or re-parented (which, while the launcher's last threads
+        # exit, can come after the kernel's word).
+        return self._told or os.getppid() != self.launcher_pid
+
+    def move_output_to_log(self) -> None:
+        """The launcher is gone: stdout and stderr append to this process's log from now on."""
+        self._told = True
+        if self._output_moved or self.log_path is None:
+            return
+        self._output_moved = True
+        try:
+            fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:  # said into the dead pipe: there is nowhere else to say it
+            log.warning("launcher exited and %s cannot be opened (%s): output is lost", self.log_path, exc)
+            return
+        os.dup2(fd, sys.stdout.fileno())
+        os.dup2(fd, sys.stderr.fileno())
+        os.close(fd)
+        log.warning("launcher (pid %d) exited; stopping; output continues here", self.launcher_pid)
+
+
+def _remove_ipc_sockets(addresses: Mapping[str, Mapping[str, PortAddresses]], ipc_dir: str) -> None:
+    """No launcher cleans up after us: remove the ipc sockets this process bound, and the
+    run's ipc directory if that leaves it empty (the last process out removes it)."""
+    for ports in addresses.values():
+        for port in ports.values():
+            for url in port.bind:
+                if url.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(url.removeprefix("ipc://"))
+    if ipc_dir:
+        with contextlib.suppress(OSError):
+            os.rmdir(ipc_dir)
+
+
+def _watch_launcher(watch: LauncherWatch, signals: StopSignals) -> None:
+    """Stop if the launcher disappears where the kernel does not say so (not Linux)."""
+
+    def poll() -> None:
+        while not watch.launcher_gone:
             time.sleep(1.0)
+        watch.move_output_to_log()  # a race with the signal's handler at worst moves it once
+        signals.handle(exits.LAUNCHER_DIED, None)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    launcher_pid = os.getppid()  # first: a launcher dead before this line killed us already
+    watch = LauncherWatch(launcher_pid)
+    signals = StopSignals(watch)
     from echo2.topology import ResolvedTopology, build_process
 
     parser = argparse.ArgumentParser(prog="python -m echo2.launch.child")
@@ -68,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _configure_logging(args.process)
     resolved = ResolvedTopology.load(args.topology)
+    watch.log_path = RunDir(Path(resolved.run_dir)).log_path(args.process)
     spec = resolved.processes[args.process]
     _set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
@@ -89,15 +190,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
         )
-        _watch_parent(os.getppid(), runtime, asyncio.get_running_loop())
+        signals.hand_over(runtime, asyncio.get_running_loop())
+        _watch_launcher(watch, signals)
         await runtime.run(install_signal_handlers=True)
 
     try:
         _run_loop(amain())
     except ActorFailed as exc:
+        cause = exc.__cause__
+        if isinstance(cause, OSError) and cause.errno in exits.STORAGE_ERRNOS:
+            where = cause.filename if cause.filename is not None else resolved.run_dir
+            log.error("%s: exiting: actor %r %s", args.process, exc.actor, exits.cannot_write(where, cause))
+            return exits.STORAGE
         log.error("%s: exiting: %s", args.process, exc)
-        return 1
-    return 0
+        return exits.FAILED
+    finally:
+        if watch.launcher_gone:
+            _remove_ipc_sockets(addresses, resolved.ipc_dir)
+    return exits.OK
 
 
 def _run_loop(coro) -> None:

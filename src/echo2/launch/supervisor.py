@@ -12,12 +12,22 @@
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
   its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
-* Exit codes: 0 when the run completed (a ``completes_run`` actor's process exited 0, every
-  process exited 0, or ``run.deadline_s`` passed), 1 when a process failed, 130 after Ctrl-C
-  (143 after SIGTERM), 2 for a bad topology.
-* Shutdown: SIGTERM to every live child (its runtime drains), SIGKILL to those still alive
-  ``run.drain_timeout_s + 5`` s later. A second Ctrl-C kills at once. The launcher only ever
-  signals the PIDs it started.
+* Exit codes (``echo2.launch.exits``): 0 when the run completed (a ``completes_run`` actor's
+  process exited 0, or every process exited 0); 1 when a process failed or the run directory
+  could not be written (full disk, read-only: the line names the path and the error; a
+  child that cannot write exits 74 and is not restarted); 2 for a bad
+  topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``);
+  128 + the signal's number when stopped by one: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (a
+  closed terminal; not handled when the launcher was started with SIGHUP ignored, as
+  ``nohup`` does). The last line says which, and ``status.json`` records it.
+* Shutdown, whatever its cause (a signal, the deadline, a failure, the disk): SIGTERM to every
+  live child (its runtime drains: a learner writes its final checkpoint and summary),
+  SIGKILL to those still alive ``run.drain_timeout_s + 5`` s later; their output is copied
+  to the logs until it ends, then ``status.json`` is written and the ipc directory removed.
+  A second signal kills at once. The launcher only ever signals the PIDs it started. A
+  launcher killed with SIGKILL cannot do this: each child then gets SIGHUP from the kernel
+  (``PR_SET_PDEATHSIG``), drains, writes its remaining output to its log itself, and the
+  last one out removes the ipc directory; no ``status.json`` is written.
 """
 
 from __future__ import annotations
@@ -34,11 +44,13 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 from echo2.errors import ConfigError
+from echo2.launch import exits
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
@@ -52,7 +64,8 @@ KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
 _PR_SET_PDEATHSIG = 1
 _READ_CHUNK = 65536
-_EXIT_FAILED, _EXIT_BAD_CONFIG, _EXIT_SIGINT, _EXIT_SIGTERM = 1, 2, 130, 143
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop the run gracefully (a second one kills)."""
 
 
 # -- command line --------------------------------------------------------------------------
@@ -105,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _UsageError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return _EXIT_BAD_CONFIG
+        return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     source = args.topology
@@ -116,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = select_processes(topology, args.host)
     except ConfigError as exc:
         print(f"{source}: {exc}", file=sys.stderr)
-        return _EXIT_BAD_CONFIG
+        return exits.BAD_CONFIG
 
     if args.dry_run:
         run_id = new_run_id(topology.run.name)
         resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
-        _print_banner(resolved, names, {}, sys.stdout)
+        sys.stdout.write(_banner(resolved, names, {}))
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
 
@@ -129,26 +142,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = RunDir(args.resume.absolute())
         if not run.is_run_dir():
             print(f"--resume: {run.root} is not a run directory (no {run.topology_path.name})", file=sys.stderr)
-            return _EXIT_BAD_CONFIG
-        run.logs_dir.mkdir(exist_ok=True)
+            return exits.BAD_CONFIG
+        try:
+            run.logs_dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            print(f"echo2: {exits.cannot_write(run.logs_dir, exc)}; nothing started", file=sys.stderr)
+            return exits.FAILED
     else:
         try:
             run = RunDir.create(Path(topology.run.run_dir), new_run_id(topology.run.name))
         except OSError as exc:  # every fresh name taken, or the parent is not writable
             print(f"{source}: run.run_dir: {exc}", file=sys.stderr)
-            return _EXIT_BAD_CONFIG
+            return exits.BAD_CONFIG
     run_dir = run.root
     resolved = resolve(topology, run.name, str(run_dir))
     if args.resume is not None:
         resolved.resume = True
     resolved_path = run.topology_path
-    resolved.dump(resolved_path)
+    try:
+        resolved.dump(resolved_path)
+    except OSError as exc:  # a full disk or a read-only run directory: nothing started yet
+        print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
+        return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
         return asyncio.run(launcher.run())
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
-        return _EXIT_SIGINT
+        return exits.SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
             from echo2.tools.report import write_report
@@ -189,19 +210,16 @@ def _to_json(resolved: ResolvedTopology) -> str:
     return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
 
 
-def _print_banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], out: TextIO) -> None:
-    print(f"echo2: run {resolved.run_id} in {resolved.run_dir}", file=out)
-    width = max(len(n) for n in names)
+def _banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int]) -> str:
+    lines = [f"echo2: run {resolved.run_id} in {resolved.run_dir}"]
+    width = max((len(n) for n in names), default=0)
     for name in names:
         spec = resolved.processes[name]
         threads = str(spec.torch_threads) if spec.torch_threads else "-"
         pid = f"pid {pids[name]:<7} " if name in pids else ""
         actors = ", ".join(f"{a.name} ({a.kind})" for a in spec.actors)
-        print(
-            f"echo2:   {name:<{width}}  {pid}host {spec.host}  torch threads {threads}  actors: {actors}",
-            file=out,
-        )
-    out.flush()
+        lines.append(f"echo2:   {name:<{width}}  {pid}host {spec.host}  torch threads {threads}  actors: {actors}")
+    return "".join(f"{line}\n" for line in lines)
 
 
 # -- supervision ---------------------------------------------------------------------------
@@ -218,7 +236,8 @@ class Child:
     actors: list[str]
     completes_run: bool
     torch_threads: int
-    log: TextIO
+    log: TextIO | None
+    """``logs/<name>.log``; None once it cannot be written (the output still reaches the terminal)."""
     critical: bool = False
     """Holds the learner: the critical path, whose OpenMP threads may spin."""
     proc: asyncio.subprocess.Process | None = None
@@ -257,15 +276,28 @@ class Launcher:
         self.err = err or sys.stderr
         self.status = 0
         self.reason = "all processes finished"
+        self._started_at = time.time()
         self.shutting_down = False
         self.children: list[Child] = []
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._timers: list[asyncio.TimerHandle] = []
         self._prctl = _load_prctl()
+        self._storage_errors: set[str] = set()
+        self._lost_streams: set[TextIO] = set()
 
     def say(self, message: str, *, error: bool = False) -> None:
-        stream = self.err if error else self.out
-        print(f"echo2: {message}", file=stream, flush=True)
+        self._to_terminal(self.err if error else self.out, f"echo2: {message}\n")
+
+    def _to_terminal(self, stream: TextIO, text: str) -> None:
+        """Write to our stdout or stderr; a terminal that went away (SIGHUP) stops nothing."""
+        if stream in self._lost_streams:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except OSError:  # EIO from a closed terminal, EPIPE from a closed pipe
+            self._lost_streams.add(stream)
+            _discard_output(stream)  # else Python's own flush at exit fails and exits 120
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -296,7 +328,7 @@ class Launcher:
                 if child.alive:  # only reached if we were cancelled: never leave children behind
                     _signal(child, signal.SIGKILL)
             for child in self.children:
-                child.log.close()
+                self._close_log(child)
             self._finish()
         return self.status
 
@@ -315,20 +347,18 @@ class Launcher:
                 completes_run=self.completes_run.get(name, False),
                 torch_threads=spec.torch_threads,
                 critical=self.completes_run.get(name, False),  # the learner's process
-                log=open(
-                    self.layout.log_path(name),
-                    "a",
-                    encoding="utf-8",
-                    buffering=1,
-                ),
+                log=self._open_log(name),
             )
+            if self.shutting_down:  # its log could not be opened
+                self._close_log(child)
+                break
             self.children.append(child)
             if not await self._spawn(child, group, pumps):
                 break
             assert child.proc is not None  # _spawn set it
             pids[name] = child.proc.pid
         self._write_pids()
-        _print_banner(self.resolved, [c.name for c in self.children if c.proc], pids, self.out)
+        self._to_terminal(self.out, _banner(self.resolved, [c.name for c in self.children if c.proc], pids))
         self.say(
             f"started {len(pids)} process(es); logs in {self.layout.logs_dir}; Ctrl-C stops, a second Ctrl-C kills"
         )
@@ -357,7 +387,7 @@ class Launcher:
             )
         except OSError as exc:
             self.say(f"cannot start {child.describe()}: {exc}", error=True)
-            self._begin_shutdown(f"process {name!r} could not start", _EXIT_FAILED)
+            self._begin_shutdown(f"process {name!r} could not start", exits.FAILED)
             return False
         pumps.append(group.create_task(self._pump(child), name=f"output:{name}"))
         group.create_task(self._wait_exit(child), name=f"wait:{name}")
@@ -365,7 +395,47 @@ class Launcher:
 
     def _write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children if c.proc is not None}
-        self.layout.pids_path.write_text(json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2) + "\n")
+        try:
+            _write_atomically(self.layout.pids_path, json.dumps({"launcher": os.getpid(), "processes": pids}, indent=2))
+        except OSError as exc:
+            self._storage_failed(self.layout.pids_path, exc)
+
+    # -- the run directory -----------------------------------------------------------
+    #
+    # A full disk or a read-only run directory stops the run like any failure: one line
+    # naming the path, the children drained (their output still reaches the terminal),
+    # the status written if it can be. The launcher itself never fails on a write.
+
+    def _open_log(self, name: str) -> TextIO | None:
+        path = self.layout.log_path(name)
+        try:
+            return open(path, "a", encoding="utf-8", buffering=1)
+        except OSError as exc:
+            self._storage_failed(path, exc)
+            return None
+
+    def _write_log(self, child: Child, text: str) -> None:
+        if child.log is None:
+            return
+        try:
+            child.log.write(text)
+        except OSError as exc:
+            self._storage_failed(self.layout.log_path(child.name), exc)
+            self._close_log(child)
+
+    def _close_log(self, child: Child) -> None:
+        log, child.log = child.log, None
+        if log is not None:
+            with contextlib.suppress(OSError):  # already reported; what it still buffered is lost
+                log.close()
+
+    def _storage_failed(self, path: Path, exc: OSError) -> None:
+        message = exits.cannot_write(path, exc)
+        if message in self._storage_errors:
+            return
+        self._storage_errors.add(message)
+        self.say(message, error=True)
+        self._begin_shutdown(message, exits.FAILED)
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -388,7 +458,7 @@ class Launcher:
             return None
 
         def preexec() -> None:  # runs in the child between fork and exec: keep it tiny
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            prctl(_PR_SET_PDEATHSIG, int(exits.LAUNCHER_DIED), 0, 0, 0)
             if os.getppid() != parent:  # the launcher died before prctl took effect
                 os._exit(1)
 
@@ -396,7 +466,9 @@ class Launcher:
 
     def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         handled: list[int] = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: the user asked the run to outlive the terminal
             try:
                 loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
             except (
@@ -424,9 +496,8 @@ class Launcher:
         if not lines:
             return
         text = [line.decode("utf-8", "replace").rstrip("\r") for line in lines]
-        child.log.write("".join(f"{line}\n" for line in text))
-        self.out.write("".join(f"{prefix}{line}\n" for line in text))
-        self.out.flush()
+        self._write_log(child, "".join(f"{line}\n" for line in text))
+        self._to_terminal(self.out, "".join(f"{prefix}{line}\n" for line in text))
 
     async def _wait_exit(self, child: Child) -> None:
         assert child.proc is not None
@@ -440,15 +511,16 @@ class Launcher:
             self._on_exit(child, code)
         elif kind == "signal":
             name = signal.Signals(payload).name
-            code = _EXIT_SIGINT if payload == signal.SIGINT else _EXIT_SIGTERM
+            code = exits.SIGNAL_BASE + payload
             if not self.shutting_down:
                 self._begin_shutdown(f"{name} received", code)
             else:
-                if self.status != _EXIT_FAILED:  # a failure stays the first cause
+                if self.status not in (exits.FAILED, exits.DEADLINE):  # the first cause stays
                     self.status, self.reason = code, f"{self.reason}; forced by {name}"
                 self._kill_all(f"second signal ({name})")
         elif kind == "deadline":
-            self._begin_shutdown(f"deadline of {self.resolved.run.deadline_s:g} s reached", 0)
+            reason = f"deadline of {self.resolved.run.deadline_s:g} s reached before the run completed"
+            self._begin_shutdown(reason, exits.DEADLINE)
         elif kind == "restart":
             child = payload
             if self.shutting_down:
@@ -487,13 +559,17 @@ class Launcher:
     def _on_exit(self, child: Child, code: int) -> None:
         if code != 0:
             what = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+            storage = code == exits.STORAGE  # a restart would fail the same way
+            if storage:
+                what += ": it could not write the run directory (its last line says where)"
             if self.shutting_down:
                 self.say(f"{child.describe()} exited with {what} during shutdown")
-            elif self._maybe_restart(child, what):
+            elif not storage and self._maybe_restart(child, what):
                 return
             else:
                 self.say(f"{child.describe()} failed with {what}", error=True)
-                self._begin_shutdown(f"process {child.name!r} failed", _EXIT_FAILED)
+                failed = "could not write the run directory" if storage else "failed"
+                self._begin_shutdown(f"process {child.name!r} {failed}", exits.FAILED)
         elif child.completes_run and not self.shutting_down:
             self.say(f"{child.describe()} completed the run")
             self._begin_shutdown(f"process {child.name!r} completed the run", 0)
@@ -524,15 +600,57 @@ class Launcher:
             _signal(child, signal.SIGKILL)
 
     def _finish(self) -> None:
+        if self.status != 0 and (steps := self._steps_trained()) is not None:  # how far it got
+            self.reason += f" ({steps} steps trained)"
         codes = {c.name: c.returncode for c in self.children}
         status = {"exit_code": self.status, "reason": self.reason, "processes": codes}
-        with contextlib.suppress(OSError):
-            self.layout.status_path.write_text(json.dumps(status, indent=2) + "\n")
+        try:
+            _write_atomically(self.layout.status_path, json.dumps(status, indent=2))
+        except OSError as exc:
+            self.say(f"status not written: {exits.cannot_write(self.layout.status_path, exc)}", error=True)
         ipc_dir = self.resolved.ipc_dir
         if ipc_dir.startswith("/tmp/echo2-") and not any(c.alive for c in self.children):
             shutil.rmtree(ipc_dir, ignore_errors=True)
-        outcome = "ok" if self.status == 0 else "FAILED" if self.status == _EXIT_FAILED else "interrupted"
-        self.say(f"run {self.resolved.run_id} {outcome}: {self.reason} (exit {self.status}); run dir {self.run_dir}")
+        self.say(
+            f"run {self.resolved.run_id} {exits.outcome(self.status)}: {self.reason} (exit {self.status}); "
+            f"run dir {self.run_dir}"
+        )
+
+    def _steps_trained(self) -> int | None:
+        """Steps in the summary the learner of this host wrote during this launch, if it did."""
+        path = self.layout.summary_path
+        try:
+            if path.stat().st_mtime < self._started_at:  # a previous launch's (before --resume)
+                return None
+            steps = json.loads(path.read_text()).get("steps")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return steps if isinstance(steps, int) else None
+
+
+def _discard_output(stream: TextIO) -> None:
+    """Point a lost stdout or stderr at /dev/null, so what it still buffers can be flushed."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not a file (a test's StringIO)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` and a newline to ``path`` whole or not at all (a full disk leaves no torn file)."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text(text + "\n")
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
 
 
 def _signal(child: Child, sig: int) -> None:
