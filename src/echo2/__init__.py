@@ -15,6 +15,7 @@ module first.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -128,13 +129,25 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'echo2' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` of ``package`` (PEP 562; also ``echo2.launch``'s): ``exports`` maps a name to its module.
+
+    A resolved name is stored in ``namespace`` (the package's ``globals()``), so later
+    lookups do not come back here.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports("echo2", _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -10,20 +10,14 @@ that it handles a stop request as early as possible in its start-up.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from echo2 import lazy_exports
 
 _EXPORTS = {name: "echo2.launch.supervisor" for name in ("Child", "Launcher", "main", "select_processes")}
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'echo2.launch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
+__getattr__ = lazy_exports("echo2.launch", _EXPORTS, globals())
 
 if TYPE_CHECKING:
     from echo2.launch.supervisor import Child, Launcher, main, select_processes
