@@ -46,7 +46,7 @@ from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors import load_actor_class
-from echo2.config import convert_config
+from echo2.config import Name, convert_config
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
 from echo2.tasks.base import check_job_task
@@ -56,7 +56,6 @@ log = logging.getLogger("echo2.topology")
 DEFAULT_HOST = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 
-_Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")]
 RestartPolicy = Literal["never", "on-failure"]
 """What the launcher does when a process dies: stop the run, or restart the process."""
 
@@ -66,7 +65,7 @@ RestartPolicy = Literal["never", "on-failure"]
 class RunSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """``[run]``: how the launcher runs and stops this topology."""
 
-    name: _Name = "echo2"
+    name: Name = "echo2"
     """Prefix of the run directory's name: ``<run_dir>/<name>-<YYYYmmdd-HHMMSS>``."""
     run_dir: str = "runs"
     """Parent directory of run directories."""
