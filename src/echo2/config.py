@@ -73,7 +73,7 @@ def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], path: s
     ``name`` is what the message calls the factory (``'addition'``); errors name the
     keyword: ``path.digits: 'addition': Expected `int`, got the string "3" (...)``. A
     parameter named ``device`` must be a torch device (``Device``), since signatures type
-    it as a plain ``str``. Annotations msgspec cannot check (a callable, a path-like) and a
+    it as a plain ``str``. A factory declares a range as in a config: ``digits: Annotated[int, Meta(ge=1)]``. Annotations msgspec cannot check (a callable, a path-like) and a
     signature that cannot be read are left to the call.
     """
     try:
@@ -103,7 +103,7 @@ def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], path: s
 def _type_hints(factory: Callable[..., Any]) -> dict[str, Any]:
     target: Callable[..., Any] = _constructor(factory) if isinstance(factory, type) else factory
     try:
-        return typing.get_type_hints(target)
+        return typing.get_type_hints(target, include_extras=True)  # keep Meta bounds
     except (NameError, AttributeError, TypeError):  # a hint naming what is not importable at run time
         return {}
 
