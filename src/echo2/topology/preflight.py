@@ -112,6 +112,10 @@ def _check_engine(config: SamplerConfig, job: JobConfig, where: str) -> None:
     if kind in _MODEL_ENGINES:
         model = kwargs.get("model_dir", job.model)
         _check_model(str(model), f"{where}.engine_kwargs.model_dir" if "model_dir" in kwargs else "job.model")
+        if not kwargs:
+            # The Sampler's own seed and model_dir fit every model engine; importing one to
+            # check just them would cost the launcher a torch import (seconds) per run.
+            return
         if kind == "torch" and job.model:
             from echo2.models.policy import is_hf_spec
 

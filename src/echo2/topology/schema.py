@@ -15,7 +15,9 @@ is one line, ``<field path>: <problem>``. Validation decodes every table and eve
 ``Config`` (enumerated values are ``Literal``, bounds are ``Meta``), and resolves every name
 that stands for code: each actor ``kind``, ``job.task`` (and its ``task_kwargs`` against the
 factory's signature) and ``job.reward`` are imported and checked to be the right kind of
-object, so a typo fails here, at ``--dry-run``, and not later inside a child.
+object, so a typo fails here, at ``--dry-run``, and not later inside a child. What needs
+the whole topology or this machine (relations, addresses, engines, models, key files) is
+checked next, by ``echo2.topology.preflight``, before the launcher starts anything.
 
 Placement rules worth knowing:
 
