@@ -142,7 +142,7 @@ def test_load_actor_class_by_path() -> None:
             counters(job={"temperature": "hot"}),
             "job.temperature: Expected `float`, got `str`",
         ),
-        (counters(job={"staleness": -1}), "job: staleness must be >= 0"),
+        (counters(job={"staleness": -1}), "job.staleness: Expected `int` >= 0"),
         (counters(jobs={}), "jobs: unknown table (allowed: run, job, hosts, processes, actors, security)"),
         (
             counters(run={"nmae": "x"}),
@@ -195,16 +195,15 @@ def test_load_actor_class_by_path() -> None:
             "actors.source.ports.out: no actor binds channel 'numbers'",
         ),
         ({"actors": {"a.b": {"kind": "idle"}}}, "actors.a.b: name must match [A-Za-z0-9_][A-Za-z0-9_-]*"),
-        ({"run": {"name": "a b"}, "actors": {"i": {"kind": "idle"}}}, None),
+        (
+            {"run": {"name": "a b"}, "actors": {"i": {"kind": "idle"}}},
+            "run.name: Expected a name of letters, digits, '_' and '-', not starting with '-', got 'a b'",
+        ),
         ({}, "actors: the topology has no actors"),
     ],
 )
-def test_validation_errors_are_one_line_with_the_field_path(raw: dict[str, Any], expected: str | None) -> None:
-    message = error_of(raw)
-    if expected is None:
-        assert message.startswith("run.name: Expected `str` matching regex")
-    else:
-        assert message == expected
+def test_validation_errors_are_one_line_with_the_field_path(raw: dict[str, Any], expected: str) -> None:
+    assert error_of(raw) == expected
 
 
 def test_unknown_registry_kind_lists_the_known_ones() -> None:

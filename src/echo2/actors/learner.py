@@ -48,6 +48,7 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, until_stopping
+from echo2.config import Device
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
 from echo2.rl import OldPolicy
@@ -126,7 +127,7 @@ class LearnerConfig(ActorConfig, frozen=True):
     model_dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "float32"
     """dtype of the trained weights: "float32" | "bfloat16" | "float16" (or "fp32", "bf16",
     "fp16"; Hugging Face models only; bf16 weights travel as raw uint16 bits)."""
-    device: str = "cpu"
+    device: Device = "cpu"
     """torch device of the learner's model ("cpu", "cuda", "cuda:1")."""
     simulated_train_s: Annotated[float, Meta(ge=0)] = 0.0
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training

@@ -107,7 +107,7 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     """Declared seconds per learner update; 0 = measured from the learner's heartbeats."""
     t_bcast_s: float = -1.0
     """Declared broadcast seconds; < 0 = measured (publisher stat, else publication to install)."""
-    activation_seed: int = 0
+    activation_seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the random policy."""
 
 

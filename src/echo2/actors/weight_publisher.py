@@ -45,19 +45,19 @@ from echo2.weights.plan import RelayMode
 
 
 class WeightPublisherConfig(ActorConfig, frozen=True):
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: Annotated[int, Meta(ge=1024, le=32 * 1024 * 1024)] = DEFAULT_CHUNK_BYTES
     """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
     mode: RelayMode = "relay"
     """"star" (send to every sampler), "relay" (one chain) or "striped" (``stripes`` chains)."""
-    stripes: int = 2
+    stripes: Annotated[int, Meta(ge=1)] = 2
     """Chains in striped mode."""
-    uplink_mbps: float = 0.0
+    uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path, Mbit/s (0: uncapped)."""
     member_ttl_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds after which a sampler not heard from (``WeightSubscribe``) leaves the plan."""
     send_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
     """Seconds after which a chunk send that cannot complete marks the peer dead for the version."""
-    gamma: float = GAMMA
+    gamma: Annotated[float, Meta(ge=1)] = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
     shm_dir: str = ""
     """Shared-memory directory (e.g. "/dev/shm") for samplers on this host that set the
@@ -65,16 +65,6 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     signing_key: str = ""
     """Ed25519 private key (PEM) to sign every manifest; samplers with the public key
     install nothing else. Make one with ``python -m echo2.keys --sign``."""
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes < 1024 or self.chunk_bytes > 32 * 1024 * 1024:
-            raise ValueError("chunk_bytes must be in [1 KiB, 32 MiB]")
-        if self.stripes < 1:
-            raise ValueError("stripes must be >= 1")
-        if self.uplink_mbps < 0:
-            raise ValueError("uplink_mbps must be >= 0")
-        if self.gamma < 1.0:
-            raise ValueError("gamma must be >= 1")
 
 
 class WeightPublisher(Actor):

@@ -59,6 +59,7 @@ from echo2.topology import (
     load_topology,
     resolve,
 )
+from echo2.topology.preflight import check_before_launch
 
 KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
@@ -127,8 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         names = select_processes(topology, args.host)
+        check_before_launch(topology, names)
     except ConfigError as exc:
-        print(f"{source}: {exc}", file=sys.stderr)
+        print(f"{source}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever it quotes
         return exits.BAD_CONFIG
 
     if args.dry_run:

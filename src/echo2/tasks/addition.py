@@ -15,6 +15,9 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Iterator
+from typing import Annotated
+
+from msgspec import Meta
 
 from echo2.tasks.base import Prompt
 
@@ -35,7 +38,8 @@ def reversed_sum(a: int, b: int) -> str:
 class AdditionTask:
     """Reversed-answer addition of two ``digits``-digit numbers; reward 1 for exact match."""
 
-    def __init__(self, digits: int = 3) -> None:
+    def __init__(self, digits: Annotated[int, Meta(ge=1, le=9)] = 3) -> None:
+        # The annotation is checked at topology load; this, for callers in Python.
         if not isinstance(digits, int) or not 1 <= digits <= 9:
             raise ValueError(f"digits must be an int in [1, 9], got {digits!r}")
         self.digits = digits

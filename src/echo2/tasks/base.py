@@ -11,11 +11,11 @@ rule both sides apply), so an evaluation never measures memorisation.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError
 from echo2.registry import REWARDS, TASKS
 
@@ -122,21 +122,13 @@ def check_job_task(job: JobConfig) -> None:
     """Check, without building the task, that ``load_job_task(job)`` can resolve what it names.
 
     The task and reward must import and be callable, and ``task_kwargs`` must fit the task
-    factory's signature. Raises ``ConfigError`` naming the field (``job.task: ...``).
+    factory's signature (names and annotated types). Raises ``ConfigError`` naming the field (``job.task: ...``).
     """
     try:
         factory = task_factory(job.task)
     except ResolveError as exc:
         raise ConfigError(str(exc), path="job.task") from None
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        signature = None  # no introspectable signature (a C callable): the call will tell
-    if signature is not None:
-        try:
-            signature.bind(**job.task_kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"{job.task!r}: {exc}", path="job.task_kwargs") from None
+    check_kwargs(factory, job.task_kwargs, "job.task_kwargs", name=repr(job.task))
     if job.reward:
         try:
             load_reward(job.reward)

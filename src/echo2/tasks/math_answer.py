@@ -24,6 +24,9 @@ import random
 import re
 from collections.abc import Iterator
 from fractions import Fraction
+from typing import Annotated
+
+from msgspec import Meta
 
 from echo2.tasks.base import Prompt
 
@@ -109,7 +112,9 @@ class MathWordTask:
     ``instruction`` is appended to each prompt (a chat model is told how to answer).
     """
 
-    def __init__(self, max_value: int = 50, instruction: str = "Give the final answer as \\boxed{N}.") -> None:
+    def __init__(
+        self, max_value: Annotated[int, Meta(ge=5)] = 50, instruction: str = "Give the final answer as \\boxed{N}."
+    ) -> None:
         if max_value < 5:
             raise ValueError(f"max_value must be >= 5, got {max_value}")
         self.max_value = max_value

@@ -9,6 +9,12 @@ Three steps, one module each:
 3. ``resolve``: ``resolve(topology, run_id, run_dir)`` fixes everything a process needs into
    the ``ResolvedTopology`` written to the run directory; ``build_process`` turns one
    process of it into actors.
+
+Before it starts anything the launcher runs ``preflight.check_before_launch(topology,
+processes)``: relations between tables, addresses, and what the processes it starts need on
+this machine (engines and their kwargs, models, keys). It is imported from
+``echo2.topology.preflight`` (not re-exported here, so that a child process does not import
+every built-in actor's module).
 """
 
 from echo2.topology.addresses import Addresses, derive_addresses, ipc_dir_for, is_local_address

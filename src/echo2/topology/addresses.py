@@ -8,6 +8,12 @@ the same file. Each connector gets one URL per binder of its channel, by the sam
 
 The runtime of every process publishes heartbeats to all binders of channel ``telemetry``
 (``Addresses.telemetry``), so those binders are reachable from every process.
+
+Derivation refuses (``ConfigError`` naming the host's field) what could not connect: a tcp
+port past 65535; a binder that other hosts reach on a host whose ``address`` is a loopback
+one (or omitted: 127.0.0.1) while other hosts of the topology have real addresses (all
+loopback is one machine, which works); and two hosts at one address (one machine: binders
+bind every interface) whose tcp port ranges overlap.
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ def derive_addresses(
             if base + offset > 65535:
                 raise ConfigError(f"tcp ports from {base} run past 65535", path=f"hosts.{host}.port_base")
             tcp_ports[key] = base + offset
+    _check_reachable(binders, connectors, telemetry_peers, hosts)
+    _check_port_ranges(needs_tcp, hosts)
 
     def url(owner: Placement, port_name: str, peer: Placement, *, bind: bool) -> str:
         if peer.process == owner.process:
@@ -140,6 +148,53 @@ def derive_addresses(
         ipc_dir=ipc_dir,
         curve_hosts=owner_of_url,
     )
+
+
+def _check_reachable(
+    binders: Mapping[str, list[tuple[Placement, str]]],
+    connectors: Mapping[str, list[Placement]],
+    telemetry_peers: Sequence[Placement],
+    hosts: Mapping[str, HostSpec],
+) -> None:
+    """A binder that peers on other hosts connect to needs an address they can reach."""
+    if all(_is_loopback(hosts[pl.host].address) for pl in telemetry_peers):
+        return  # every host holding a process is this machine
+    found = []
+    for channel, owners in binders.items():
+        peers = connectors.get(channel, []) + (list(telemetry_peers) if channel == TELEMETRY_CHANNEL else [])
+        for owner, port_name in owners:
+            remote = [pl for pl in peers if pl.host != owner.host]
+            if remote and _is_loopback(hosts[owner.host].address):
+                found.append((owner.host, owner.actor, port_name, remote[0]))
+    if found:
+        host, actor, port_name, peer = min(found, key=lambda f: f[:3])
+        who = peer.actor or f"process {peer.process}"
+        raise ConfigError(
+            f"{hosts[host].address!r} is a loopback address, but {who} on host {peer.host!r} connects to "
+            f"{actor}.{port_name} here; set the address other hosts reach {host!r} at",
+            path=f"hosts.{host}.address",
+        )
+
+
+def _check_port_ranges(needs_tcp: Mapping[str, list[tuple[str, str]]], hosts: Mapping[str, HostSpec]) -> None:
+    """Hosts at one address are one machine (binders bind every interface): no shared tcp port."""
+    ranges: list[tuple[str, str, int, int]] = []  # (machine, host, first port, last port)
+    for host in sorted(needs_tcp):
+        spec = hosts[host]
+        machine = "loopback" if _is_loopback(spec.address) else spec.address.lower()
+        first, last = spec.port_base, spec.port_base + len(needs_tcp[host]) - 1
+        for other_machine, other, other_first, other_last in ranges:
+            if other_machine == machine and first <= other_last and other_first <= last:
+                raise ConfigError(
+                    f"tcp ports {first}-{last} overlap ports {other_first}-{other_last} of host {other!r} "
+                    f"on the same machine ({spec.address}); move port_base past the other's range",
+                    path=f"hosts.{host}.port_base",
+                )
+        ranges.append((machine, host, first, last))
+
+
+def _is_loopback(address: str) -> bool:
+    return address.lower() in _LOCAL_ADDRESSES or address.startswith("127.")
 
 
 def _add(urls: list[str], url: str) -> None:

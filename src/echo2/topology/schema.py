@@ -15,7 +15,9 @@ is one line, ``<field path>: <problem>``. Validation decodes every table and eve
 ``Config`` (enumerated values are ``Literal``, bounds are ``Meta``), and resolves every name
 that stands for code: each actor ``kind``, ``job.task`` (and its ``task_kwargs`` against the
 factory's signature) and ``job.reward`` are imported and checked to be the right kind of
-object, so a typo fails here, at ``--dry-run``, and not later inside a child.
+object, so a typo fails here, at ``--dry-run``, and not later inside a child. What needs
+the whole topology or this machine (relations, addresses, engines, models, key files) is
+checked next, by ``echo2.topology.preflight``, before the launcher starts anything.
 
 Placement rules worth knowing:
 
@@ -46,7 +48,7 @@ from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors import load_actor_class
-from echo2.config import convert_config
+from echo2.config import Name, convert_config
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
 from echo2.tasks.base import check_job_task
@@ -56,7 +58,6 @@ log = logging.getLogger("echo2.topology")
 DEFAULT_HOST = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
 
-_Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")]
 RestartPolicy = Literal["never", "on-failure"]
 """What the launcher does when a process dies: stop the run, or restart the process."""
 
@@ -66,7 +67,7 @@ RestartPolicy = Literal["never", "on-failure"]
 class RunSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """``[run]``: how the launcher runs and stops this topology."""
 
-    name: _Name = "echo2"
+    name: Name = "echo2"
     """Prefix of the run directory's name: ``<run_dir>/<name>-<YYYYmmdd-HHMMSS>``."""
     run_dir: str = "runs"
     """Parent directory of run directories."""
@@ -83,8 +84,9 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 
     address: str = "127.0.0.1"
     """Hostname or IP address at which processes on other hosts reach this one."""
-    port_base: Annotated[int, Meta(ge=1, le=65535)] = 47000
-    """First tcp port for endpoints other hosts connect to (assigned by (actor, port))."""
+    port_base: Annotated[int, Meta(ge=1024, le=65535)] = 47000
+    """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
+    ports below 1024 are for services run as root."""
     cores: Annotated[int, Meta(ge=0)] = 0
     """Cores torch may use on this host (0: the usable cores of the machine resolving the
     topology; each host's launcher resolves for itself, so 0 is right on every host)."""

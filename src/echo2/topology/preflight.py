@@ -1,0 +1,185 @@
+"""Preflight: what a validated topology's values refer to, checked before anything starts.
+
+The schema (``echo2.topology.schema``) decodes each table on its own: types, bounds,
+enumerated values, names that stand for code. ``check_before_launch(topology, processes)``
+checks what needs more than one table, or this machine, so that a topology that cannot run
+stops the launcher (``--dry-run`` included) with one line naming the field and exit 2,
+before any process starts, not later with a traceback inside a child:
+
+* relations that cannot work: a Buffer, a PromptSource window or a task budget smaller
+  than one learner batch (``job.groups_per_step``): no step could ever be trained;
+* addresses (``echo2.topology.addresses``, derived once here as ``resolve`` will): a
+  cross-host binder on a loopback address, tcp ports past 65535 or clashing on one machine;
+* for the processes this launcher starts (``processes``), what must exist on this machine:
+  each sampler's engine and its ``engine_kwargs`` against the engine's signature, the model
+  directory (``job.model`` or the engine's ``model_dir``), shared-memory directories, manifest signing and verification keys, and with CURVE on the
+  key files each process loads (``CurveSettings.load``) and the server keys it pins.
+
+Processes on other hosts are checked by their own host's launcher (``--host``): their files
+live there. Devices are checked for their form (``echo2.config.Device``), not for being
+present: a GPU topology checks on a machine without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from echo2.actors.buffer import BufferConfig
+from echo2.actors.learner import LearnerConfig
+from echo2.actors.prompt_source import PromptSourceConfig
+from echo2.actors.sampler import SamplerConfig
+from echo2.actors.weight_publisher import WeightPublisherConfig
+from echo2.config import check_kwargs
+from echo2.errors import ConfigError, ResolveError
+from echo2.job import JobConfig
+from echo2.registry import ENGINES
+from echo2.topology.addresses import Addresses, derive_addresses
+from echo2.topology.schema import PlacedActor, Topology, placements
+from echo2.transport.auth import CurveSettings, load_public_keys
+
+_MODEL_ENGINES = ("torch", "hf", "vllm")
+"""Engines that load a model: the Sampler gives them ``seed`` and ``model_dir`` by default."""
+_SMOLLM2 = "smollm2"  # echo2.models.policy.SMOLLM2, without importing torch
+_T = TypeVar("_T")
+
+
+def check_before_launch(topology: Topology, processes: Sequence[str]) -> None:
+    """Raise ``ConfigError`` (one line, naming the field) if ``topology`` cannot run.
+
+    ``processes``: those this launcher starts; what must exist on this machine is checked
+    for them only.
+    """
+    check_relations(topology)
+    addresses = derive_addresses(placements(topology), topology.hosts, "preflight", curve=topology.security.curve)
+    local = set(processes)
+    for actor in topology.actors.values():
+        if actor.process in local:
+            _check_on_this_host(actor, topology.job)
+    if topology.security.curve:
+        _check_curve(topology, addresses, local)
+
+
+def check_relations(topology: Topology) -> None:
+    """Settings of different tables that together cannot train a single step."""
+    job = topology.job
+    batch = f"one learner batch (job.groups_per_step = {job.groups_per_step})"
+    for actor in topology.actors.values():
+        config, where = actor.config, f"actors.{actor.spec}.config"
+        if isinstance(config, BufferConfig) and config.max_groups < job.groups_per_step:
+            raise ConfigError(
+                f"{config.max_groups} is less than {batch}: no batch could ever be served",
+                path=f"{where}.max_groups",
+            )
+        if isinstance(config, PromptSourceConfig):
+            if 0 < config.max_inflight_groups < job.groups_per_step:
+                raise ConfigError(
+                    f"{config.max_inflight_groups} is less than {batch}: the window could never fill one",
+                    path=f"{where}.max_inflight_groups",
+                )
+            if 0 < config.max_tasks < job.groups_per_step:
+                raise ConfigError(
+                    f"{config.max_tasks} tasks are fewer than {batch}: no step could be trained",
+                    path=f"{where}.max_tasks",
+                )
+
+
+def _check_on_this_host(actor: PlacedActor, job: JobConfig) -> None:
+    config, where = actor.config, f"actors.{actor.spec}.config"
+    if isinstance(config, SamplerConfig):
+        _check_engine(config, job, where)
+        if config.shm_dir:
+            _check_directory(config.shm_dir, f"{where}.shm_dir")
+        if config.manifest_verify_key:
+            from echo2.weights.signing import ManifestVerifier
+
+            _with_path(f"{where}.manifest_verify_key", ManifestVerifier, config.manifest_verify_key)
+    elif isinstance(config, LearnerConfig):
+        _check_model(job.model, "job.model")
+    elif isinstance(config, WeightPublisherConfig):
+        if config.shm_dir:
+            _check_directory(config.shm_dir, f"{where}.shm_dir")
+        if config.signing_key:
+            from echo2.weights.signing import ManifestSigner
+
+            _with_path(f"{where}.signing_key", ManifestSigner, config.signing_key)
+
+
+def _check_engine(config: SamplerConfig, job: JobConfig, where: str) -> None:
+    """The engine the Sampler will build (``Sampler.setup``), called as it will call it."""
+    kind, kwargs = config.engine, dict(config.engine_kwargs)
+    if kind in _MODEL_ENGINES:
+        model = kwargs.get("model_dir", job.model)
+        _check_model(str(model), f"{where}.engine_kwargs.model_dir" if "model_dir" in kwargs else "job.model")
+        if not kwargs:
+            # The Sampler's own seed and model_dir fit every model engine; importing one to
+            # check just them would cost the launcher a torch import (seconds) per run.
+            return
+        if kind == "torch" and job.model:
+            from echo2.models.policy import is_hf_spec
+
+            if is_hf_spec(job.model):
+                kind = "hf"  # the Sampler runs a Hugging Face model on the hf engine
+        kwargs.setdefault("seed", 0)
+        if job.model:
+            kwargs.setdefault("model_dir", job.model)
+    try:
+        engine = ENGINES.resolve(kind, callable, "an echo2 Engine class")
+    except ResolveError as exc:
+        raise ConfigError(str(exc), path=f"{where}.engine") from None
+    check_kwargs(engine, kwargs, f"{where}.engine_kwargs", name=f"engine {kind!r}")
+
+
+def _check_model(spec: str, path: str) -> None:
+    """The rule of ``echo2.models.policy.resolve_model_dir``, without loading anything."""
+    if not spec or spec.lower() == _SMOLLM2:
+        return
+    directory = Path(spec).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"model {spec!r} is neither '' (built-in), {_SMOLLM2!r}, nor a directory", path=path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model directory {spec!r} has no config.json (neither a Hugging Face model nor a tiny-model checkpoint)",
+            path=path,
+        )
+
+
+def _check_directory(directory: str, path: str) -> None:
+    if not Path(directory).is_dir():
+        raise ConfigError(f"{directory!r} is not a directory on this machine", path=path)
+
+
+def _check_curve(topology: Topology, addresses: Addresses, local: set[str]) -> None:
+    """Each local process's CURVE material, loaded as its child will load it."""
+    security = topology.security
+    if security.allowed:  # else <keys_dir>/allowed, a part of keys_dir
+        _with_path("security.allowed", load_public_keys, security.allowed)
+    for process in sorted(local):
+        host = topology.processes[process].host
+        settings = _with_path(
+            "security.keys_dir", CurveSettings.load, security.keys_dir, host, topology.hosts, security.allowed
+        )
+        for actor in topology.actors_in(process):
+            for port, urls in addresses.ports[actor.name].items():
+                _with_path("security.keys_dir", settings.for_port, urls)  # every server's public key
+                if urls.curve_server and not settings.allowed:
+                    allowed = ", ".join(security.allowed) or f"{security.keys_dir}/allowed"
+                    raise ConfigError(
+                        f"no public key in {allowed}: no peer could connect to {actor.name}.{port}",
+                        path="security.allowed",
+                    )
+        telemetry = addresses.telemetry.get(process, ())
+        servers = [addresses.curve_hosts.get(url, "") for url in telemetry]
+        _with_path("security.keys_dir", settings.for_urls, False, telemetry, servers)
+
+
+def _with_path(path: str, load: Callable[..., _T], *args: Any) -> _T:
+    """``load(*args)``; its ``ConfigError`` (raised without a field path) given ``path``."""
+    try:
+        return load(*args)
+    except ConfigError as exc:
+        raise ConfigError(" ".join(str(exc).split()), path=path) from None
+
+
+__all__ = ["check_before_launch", "check_relations"]

@@ -1,0 +1,352 @@
+"""Malformed topologies stop the launcher before anything starts: exit 2 and one line.
+
+Each case is the valid ``BASE`` topology with one mistake, run through the launcher's own
+entry point (``main([file, "--dry-run"])``). The launcher must print nothing on stdout and
+exactly one line on stderr, ``<file>: <field path>: <problem>``, naming the field the
+mistake is in. The cases include each one issue 18 found starting a child that then failed
+with a traceback, or running as given.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from echo2.launch import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# All six actors in three processes on one host: every table the cases edit.
+BASE = """
+[run]
+name = "malformed"
+deadline_s = 60.0
+
+[job]
+staleness = 2
+task = "addition"
+task_kwargs = { digits = 2 }
+group_size = 4
+groups_per_step = 4
+max_new_tokens = 4
+
+[processes.data]
+[processes."sampler-{i}"]
+[processes.learner]
+torch_threads = 1
+
+[actors.prompt_source]
+kind = "prompt_source"
+process = "data"
+config = { lease_ttl_s = 30.0 }
+
+[actors.rewarder]
+kind = "rewarder"
+process = "data"
+
+[actors.buffer]
+kind = "buffer"
+process = "data"
+config = { max_groups = 64 }
+
+[actors.sampler]
+kind = "sampler"
+replicas = 2
+process = "sampler-{i}"
+config = { engine = "torch", credits = 4 }
+
+[actors.learner]
+kind = "learner"
+process = "learner"
+config = { max_steps = 10, eval_every = 5, kappa = 1, lr = 3e-4, device = "cpu" }
+
+[actors.weight_publisher]
+kind = "weight_publisher"
+process = "learner"
+config = { mode = "relay" }
+"""
+
+# Two machines: the data process and the learner on host "a", the samplers on host "b".
+TWO_HOSTS = """
+[hosts.a]
+address = "127.0.0.1"
+[hosts.b]
+address = "10.1.2.3"
+"""
+
+
+def two_hosts(text: str) -> str:
+    text = text.replace("[processes.data]", '[processes.data]\nhost = "a"')
+    text = text.replace("[processes.learner]", '[processes.learner]\nhost = "a"')
+    return text.replace('[processes."sampler-{i}"]', '[processes."sampler-{i}"]\nhost = "b"') + TWO_HOSTS
+
+
+def sub(old: str, new: str):
+    """An edit of ``BASE``: replace ``old`` (which must occur) with ``new``."""
+
+    def edit(text: str) -> str:
+        assert old in text, old
+        return text.replace(old, new, 1)
+
+    return edit
+
+
+def add(snippet: str):
+    """An edit of ``BASE``: append a table."""
+    return lambda text: text + snippet
+
+
+def sampler(config: str):
+    return sub('config = { engine = "torch", credits = 4 }', f"config = {{ {config} }}")
+
+
+def job(line: str):
+    return sub("max_new_tokens = 4\n", f"max_new_tokens = 4\n{line}\n")
+
+
+# (id, edit of BASE, field path, text the problem must contain)
+CASES = [
+    # numbers: quoted, out of range (issue 18: negative max_steps, eval_every, lease_ttl_s,
+    # kappa, learning rate; credits = 0 and credits = "8" ran as given)
+    (
+        "credits-quoted",
+        sampler('engine = "torch", credits = "8"'),
+        "actors.sampler.config.credits",
+        'got the string "8"',
+    ),
+    ("credits-zero", sampler('engine = "torch", credits = 0'), "actors.sampler.config.credits", ">= 1"),
+    ("max-steps-negative", sub("max_steps = 10", "max_steps = -1"), "actors.learner.config.max_steps", ">= 0"),
+    ("eval-every-negative", sub("eval_every = 5", "eval_every = -5"), "actors.learner.config.eval_every", ">= 0"),
+    ("kappa-negative", sub("kappa = 1", "kappa = -1"), "actors.learner.config.kappa", ">= 0"),
+    ("lr-negative", sub("lr = 3e-4", "lr = -3e-4"), "actors.learner.config.lr", ">= 0.0"),
+    (
+        "lease-ttl-negative",
+        sub("lease_ttl_s = 30.0", "lease_ttl_s = -1.0"),
+        "actors.prompt_source.config.lease_ttl_s",
+        "> 0.0",
+    ),
+    ("staleness-negative", sub("staleness = 2", "staleness = -1"), "job.staleness", ">= 0"),
+    ("groups-per-step-zero", sub("groups_per_step = 4", "groups_per_step = 0"), "job.groups_per_step", ">= 1"),
+    ("top-p-above-one", job("top_p = 1.5"), "job.top_p", "<= 1"),
+    ("temperature-zero", job("temperature = 0.0"), "job.temperature", "> 0"),
+    ("seed-negative", job("seed = -1"), "job.seed", ">= 0"),
+    (
+        "steps-float",
+        sub("max_steps = 10", "max_steps = 10.5"),
+        "actors.learner.config.max_steps",
+        "Expected `int`, got `float`",
+    ),
+    ("deadline-quoted", sub("deadline_s = 60.0", 'deadline_s = "60"'), "run.deadline_s", 'got the string "60"'),
+    ("heartbeat-zero", sub("deadline_s = 60.0", "heartbeat_s = 0.0"), "run.heartbeat_s", "> 0.0"),
+    ("curve-quoted-bool", add('[security]\ncurve = "true"\n'), "security.curve", "write true or false without quotes"),
+    (
+        "chunk-bytes-small",
+        sub('mode = "relay"', "chunk_bytes = 100"),
+        "actors.weight_publisher.config.chunk_bytes",
+        ">= 1024",
+    ),
+    (
+        "stripes-zero",
+        sub('mode = "relay"', 'mode = "striped", stripes = 0'),
+        "actors.weight_publisher.config.stripes",
+        ">= 1",
+    ),
+    ("threads-negative", sub("torch_threads = 1", "torch_threads = -1"), "processes.learner.torch_threads", ">= 0"),
+    ("replicas-zero", sub("replicas = 2", "replicas = 0"), "actors.sampler.replicas", ">= 1"),
+    # enumerated values and names
+    ("engine-typo", sampler('engine = "vlm"'), "actors.sampler.config.engine", "Expected one of"),
+    (
+        "data-plane-typo",
+        sampler('weights_data_plane = "tpc"'),
+        "actors.sampler.config.weights_data_plane",
+        "'stream', 'zmq'",
+    ),
+    ("mode-typo", sub('mode = "relay"', 'mode = "chain"'), "actors.weight_publisher.config.mode", "'relay'"),
+    (
+        "restart-typo",
+        sub("torch_threads = 1", 'torch_threads = 1\nrestart = "always"'),
+        "processes.learner.restart",
+        "'on-failure'",
+    ),
+    (
+        "learner-restart",
+        sub("torch_threads = 1", 'torch_threads = 1\nrestart = "on-failure"'),
+        "processes.learner.restart",
+        "--resume",
+    ),
+    ("device-typo", sub('device = "cpu"', 'device = "cdua"'), "actors.learner.config.device", "a torch device"),
+    ("device-index", sub('device = "cpu"', 'device = "cuda:x"'), "actors.learner.config.device", "got 'cuda:x'"),
+    ("run-name", sub('name = "malformed"', 'name = "a b"'), "run.name", "a name of letters"),
+    ("unknown-job-field", sub("staleness = 2", "stalenes = 2"), "job.stalenes", "unknown field"),
+    ("unknown-table", add("[jobs]\nx = 1\n"), "jobs", "unknown table"),
+    ("kind-typo", sub('kind = "learner"', 'kind = "lerner"'), "actors.learner.kind", "unknown kind 'lerner'"),
+    (
+        "process-typo",
+        sub('kind = "buffer"\nprocess = "data"', 'kind = "buffer"\nprocess = "dat"'),
+        "actors.buffer.process",
+        "unknown process 'dat'",
+    ),
+    # code a name stands for: task, kwargs, reward, engine (issue 18: unknown task or
+    # engine kwargs, missing reward, negative digits started and failed in a child)
+    ("task-typo", sub('task = "addition"', 'task = "addtion"'), "job.task", "unknown task 'addtion'"),
+    (
+        "task-kwarg-typo",
+        sub("{ digits = 2 }", "{ digts = 2 }"),
+        "job.task_kwargs",
+        "unexpected keyword argument 'digts'",
+    ),
+    ("digits-negative", sub("{ digits = 2 }", "{ digits = -1 }"), "job.task_kwargs.digits", ">= 1"),
+    ("digits-quoted", sub("{ digits = 2 }", '{ digits = "2" }'), "job.task_kwargs.digits", 'got the string "2"'),
+    ("reward-missing", job('reward = "no_such_module:reward"'), "job.reward", "cannot import 'no_such_module:reward'"),
+    (
+        "engine-kwarg-typo",
+        sampler('engine = "torch", engine_kwargs = { devcie = "cpu" }'),
+        "actors.sampler.config.engine_kwargs",
+        "unexpected keyword argument 'devcie'",
+    ),
+    (
+        "engine-device-typo",
+        sampler('engine = "torch", engine_kwargs = { device = "gpu" }'),
+        "actors.sampler.config.engine_kwargs.device",
+        "a torch device",
+    ),
+    (
+        "engine-seed-quoted",
+        sampler('engine = "torch", engine_kwargs = { seed = "1" }'),
+        "actors.sampler.config.engine_kwargs.seed",
+        'got the string "1"',
+    ),
+    (
+        "simulated-without-kwargs",
+        sampler('engine = "simulated"'),
+        "actors.sampler.config.engine_kwargs",
+        "missing a required argument: 'seconds_per_token'",
+    ),
+    # files this machine must have (issue 18: missing model, CURVE without keys)
+    (
+        "model-missing",
+        job('model = "/no/such/model"'),
+        "job.model",
+        "neither '' (built-in), 'smollm2', nor a directory",
+    ),
+    (
+        "engine-model-missing",
+        sampler('engine = "torch", engine_kwargs = { model_dir = "/no/such/model" }'),
+        "actors.sampler.config.engine_kwargs.model_dir",
+        "nor a directory",
+    ),
+    (
+        "shm-dir-missing",
+        sampler('engine = "torch", shm_dir = "/no/such/shm"'),
+        "actors.sampler.config.shm_dir",
+        "not a directory",
+    ),
+    (
+        "signing-key-missing",
+        sub('mode = "relay"', 'signing_key = "/no/such/learner.sign.pem"'),
+        "actors.weight_publisher.config.signing_key",
+        "cannot load signing key",
+    ),
+    (
+        "verify-key-missing",
+        sampler('engine = "torch", manifest_verify_key = "/no/such/learner.pub.pem"'),
+        "actors.sampler.config.manifest_verify_key",
+        "cannot load verification key",
+    ),
+    (
+        "curve-without-keys",
+        add('[security]\ncurve = true\nkeys_dir = "/no/such/keys"\n'),
+        "security.keys_dir",
+        "cannot load CURVE key pair",
+    ),
+    (
+        "curve-allowed-missing",
+        add('[security]\ncurve = true\nallowed = ["/no/such/allowed.key"]\n'),
+        "security.allowed",
+        "cannot load CURVE public key",
+    ),
+    # relations that cannot train one step
+    (
+        "buffer-smaller-than-batch",
+        sub("max_groups = 64", "max_groups = 2"),
+        "actors.buffer.config.max_groups",
+        "no batch could ever be served",
+    ),
+    (
+        "window-smaller-than-batch",
+        sub("lease_ttl_s = 30.0", "lease_ttl_s = 30.0, max_inflight_groups = 3"),
+        "actors.prompt_source.config.max_inflight_groups",
+        "could never fill one",
+    ),
+    (
+        "tasks-fewer-than-batch",
+        sub("lease_ttl_s = 30.0", "lease_ttl_s = 30.0, max_tasks = 3"),
+        "actors.prompt_source.config.max_tasks",
+        "no step could be trained",
+    ),
+    # hosts and ports (issue 13: cross-host binders on loopback; ports out of range or clashing)
+    ("port-base-privileged", add("[hosts.local]\nport_base = 80\n"), "hosts.local.port_base", ">= 1024"),
+    ("port-base-too-large", add("[hosts.local]\nport_base = 70000\n"), "hosts.local.port_base", "<= 65535"),
+    ("loopback-binder", two_hosts, "hosts.a.address", "'127.0.0.1' is a loopback address"),
+    (
+        "address-omitted",
+        lambda t: two_hosts(t).replace('[hosts.a]\naddress = "127.0.0.1"\n', "[hosts.a]\n"),
+        "hosts.a.address",
+        "loopback",
+    ),
+    (
+        "ports-clash",
+        lambda t: (
+            two_hosts(t)
+            .replace('address = "10.1.2.3"', 'address = "127.0.0.1"')
+            .replace('kind = "buffer"\nprocess = "data"', 'kind = "buffer"\nprocess = "sampler-{i}"')
+        ),
+        "hosts.b.port_base",
+        "overlap ports",
+    ),
+]
+
+
+def test_the_suite_is_large_and_every_case_is_distinct() -> None:
+    assert len(CASES) >= 40
+    assert len({case[0] for case in CASES}) == len(CASES)
+    assert len({case[1](BASE) for case in CASES}) == len(CASES)
+
+
+def test_the_base_is_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "topology.toml"
+    path.write_text(BASE)
+    assert main([str(path), "--dry-run"]) == 0, capsys.readouterr().err
+    # Two machines with real addresses, checked from one of them, are fine too.
+    path.write_text(two_hosts(BASE).replace('address = "127.0.0.1"', 'address = "10.1.2.2"'))
+    assert main([str(path), "--dry-run", "--host", "a"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("edit", "field", "problem"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_a_malformed_topology_exits_2_with_one_line_naming_the_field(
+    edit, field: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "topology.toml"
+    path.write_text(edit(BASE))
+    assert main([str(path), "--dry-run", "--run-dir", str(tmp_path / "runs")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith(f"{path}: {field}: "), err
+    assert problem in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_readme_example_error_is_what_the_launcher_prints() -> None:
+    """The README shows a command and its one line; run the command, compare the line."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    (index,) = [i for i, line in enumerate(lines) if line.startswith("$ python -m echo2.launch ")]
+    command, expected = lines[index].removeprefix("$ "), lines[index + 1]
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "echo2.launch"] and "--dry-run" in argv
+    result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", expected + "\n")
