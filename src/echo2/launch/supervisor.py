@@ -51,6 +51,7 @@ from typing import Any, NoReturn, TextIO
 
 from echo2.errors import ConfigError
 from echo2.launch import exits
+from echo2.launch.preflight import check_job
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
@@ -127,9 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         names = select_processes(topology, args.host)
+        notes = check_job(topology.job)  # the task built and its prompts encoded, before anything starts
     except ConfigError as exc:
         print(f"{source}: {exc}", file=sys.stderr)
         return exits.BAD_CONFIG
+    for note in notes:
+        print(f"{source}: note: {note}", file=sys.stderr)
 
     if args.dry_run:
         run_id = new_run_id(topology.run.name)
