@@ -324,3 +324,43 @@ def test_dry_run_catches_a_custom_task_that_fails_to_build(
     code, err = _dry_run(capsys, 'job.task="broken_task_mod:make"', "job.task_kwargs={}")
     assert code == 2
     assert err == f"{EXAMPLE}: job.task_kwargs: task 'broken_task_mod:make': 'no data here'\n"
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_the_shipped_dataset_trains_end_to_end_on_training_rows_only(tmp_path: Path) -> None:
+    import torch
+
+    from echo2.actors.buffer import Buffer
+    from echo2.actors.learner import Learner, LearnerConfig
+    from echo2.actors.rewarder import Rewarder
+    from echo2.actors.sampler import Sampler, SamplerConfig
+    from echo2.actors.weight_publisher import WeightPublisher
+    from echo2.pipeline import Pipeline
+    from echo2.rundir import RunDir
+
+    torch.set_num_threads(1)
+    kwargs = _toml_job(EXAMPLE)["task_kwargs"] | {"path": str(SHIPPED)}
+    job = JobConfig(staleness=3, max_new_tokens=5, task="dataset", task_kwargs=kwargs)
+    learner = Learner("learner", LearnerConfig(max_steps=6, eval_every=3, warmup_steps=2), job)
+    actors = [
+        PromptSource("prompt_source", job=job),
+        Sampler("sampler", SamplerConfig(credits=16, max_batch_groups=16), job),
+        Rewarder("rewarder", job=job),
+        Buffer("buffer", job=job),
+        learner,
+        WeightPublisher("weight_publisher", job=job),
+    ]
+    async with Pipeline(actors, run_dir=tmp_path) as pipeline:
+        await pipeline.wait()
+    summary = json.loads(RunDir(tmp_path).summary_path.read_text())
+    assert summary["steps"] == 6 and summary["rollouts_trained"] == 6 * 16 * 8
+    assert (summary["eval_metric"], summary["eval_decoding"], summary["eval_prompts"]) == ("pass@1", "greedy", 115)
+    assert [step for step, _ in summary["pass_at_1_by_step"]] == [0, 3, 6]
+    assert summary["final_accuracy"] == summary["final_pass_at_1"]
+    task = DatasetTask(**kwargs)
+    training_ids = {f"{p.task_id}@e0" for p in task.every_prompt() if p not in task.heldout(10_000)}
+    trained = learner.account.trained_tasks
+    assert len(trained) == 6 * 16 and trained <= training_ids  # epoch 0, never a held-out row
