@@ -54,13 +54,18 @@ def test_jsonl_csv_and_json_list_read_the_same_rows(tmp_path: Path) -> None:
         assert read_rows(tmp_path / name) == rows, name
 
 
-def test_parquet_and_saved_hf_datasets_read_through_datasets(tmp_path: Path) -> None:
+def test_parquet_reads_through_pyarrow(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow", reason="pyarrow is not installed here")
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed here")
+    rows = sums(20)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert read_rows(tmp_path / "d.parquet") == rows
+
+
+def test_a_saved_hf_dataset_reads_through_datasets(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets", reason="the 'datasets' library is not installed here")
     rows = sums(20)
-    data = datasets.Dataset.from_list(rows)
-    data.to_parquet(str(tmp_path / "d.parquet"))
-    datasets.DatasetDict({"train": data}).save_to_disk(str(tmp_path / "saved"))
-    assert read_rows(tmp_path / "d.parquet") == rows
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     assert read_rows(tmp_path / "saved", split="train") == rows
     with pytest.raises(DatasetError, match=r"no split 'test' \(splits: train\)"):
         read_rows(tmp_path / "saved", split="test")

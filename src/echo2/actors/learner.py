@@ -22,6 +22,11 @@ Every ``kappa`` steps (default ``max(1, S - 1)``) it hands an immutable snapshot
 WeightPublisher. The time spent waiting for a batch is the bubble; the next request is
 sent before the current step trains, so the transfer overlaps compute.
 
+Evaluation (at the start, every ``eval_every`` steps and at the end): one greedy completion
+per held-out prompt, reported as pass@1 of the task's correctness predicate and, apart, as
+the mean training reward (``echo2.tasks.evaluation``); a task that declares no predicate gets
+no pass@1 (null in ``summary.json``).
+
 Deviations from the paper: none in the objective; the paper's batch is 128 prompts x 16
 samples, the default here is 16 x 8 for the tiny model.
 
