@@ -105,8 +105,8 @@ async def main(steps: int) -> int:
     assert isinstance(learner, Learner)
     summary = learner.summary
     print(
-        f"done: {summary['steps']} steps, greedy accuracy "
-        f"{summary['initial_accuracy']:.3f} -> {summary['final_accuracy']:.3f}, "
+        f"done: {summary['steps']} steps, held-out pass@1 (greedy) "
+        f"{summary['initial_pass_at_1']:.3f} -> {summary['final_pass_at_1']:.3f}, "
         f"staleness max {summary['staleness_max']}"
     )
     return 0

@@ -52,11 +52,11 @@ ENUM_TYPOS = {
 IMPORT_PATH_TYPOS = [
     ("actors.learner.kind", "lerner", "unknown kind 'lerner' (known: buffer, counter_sink, "),
     ("actors.learner.kind", '"no_such_pkg:Learner"', "cannot import 'no_such_pkg:Learner': ModuleNotFoundError: "),
-    ("job.task", "addtion", "unknown task 'addtion' (known: addition, math_answer, reasoning_gym; or "),
+    ("job.task", "addtion", "unknown task 'addtion' (known: addition, dataset, math_answer, reasoning_gym; or "),
     ("job.task", '"echo2.tasks.addition:AdditionTsk"', "cannot import 'echo2.tasks.addition:AdditionTsk': "),
     ("job.task", '"echo2.tasks.addition:hashlib"', "'echo2.tasks.addition:hashlib' is not a class or function"),
     ("job.task_kwargs", "{ digts = 3 }", "'addition': got an unexpected keyword argument 'digts'"),
-    ("job.reward", "exact", "unknown reward 'exact' (known: none; or 'package.module:function')"),
+    ("job.reward", "exakt", "unknown reward 'exakt' (known: exact, math_answer; or 'package.module:function')"),
     ("job.reward", '"echo2.tasks.math_answer:nope"', "cannot import 'echo2.tasks.math_answer:nope': AttributeError"),
 ]
 

@@ -164,7 +164,8 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     learner.ctx = _Ctx()  # type: ignore[assignment]
     learner._build()
     assert learner.policy.kind == "hf"
-    assert 0.0 <= learner.evaluate() <= 1.0
+    score = learner.evaluate()
+    assert score.prompts == 3 and score.pass_at_1 is not None and 0.0 <= score.pass_at_1 <= 1.0
     sampler = make_engine("hf", model_dir=str(llama_dir), seed=0)
     prompt = sampler.encode_prompt("12+34=")
     (group,) = sampler.generate([prompt], 4, SamplingParams(temperature=1.0, max_new_tokens=5))

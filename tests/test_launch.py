@@ -310,7 +310,7 @@ def test_a_starved_learner_stopped_writes_its_summary_and_exits_non_zero(tmp_pat
         seen: list[str] = []
         assert proc.stdout is not None
         if stop == "SIGINT":
-            read_until(proc.stdout, lambda s: "step 0: greedy accuracy" in s, seen)  # the learner's loop began
+            read_until(proc.stdout, lambda s: "step 0: held-out" in s, seen)  # the learner's loop began
             proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         code = proc.wait()

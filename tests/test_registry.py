@@ -52,9 +52,12 @@ def test_every_model_dtype_is_one_the_models_know() -> None:
 @pytest.mark.parametrize("name", TASKS.names())
 def test_every_builtin_task_resolves(name: str) -> None:
     factory = TASKS.resolve(name, callable, "a task factory")
+    # a dataset needs its file: the shipped example's
+    shipped = SRC.parents[1] / "examples" / "data" / "addition500.jsonl"
+    kwargs = {"path": str(shipped), "prompt_field": "question"} if name == "dataset" else {}
     if name != "reasoning_gym":  # its prompts need the optional reasoning-gym package
-        assert isinstance(factory(), Task)
-        assert isinstance(load_task(name), Task)
+        assert isinstance(factory(**kwargs), Task)
+        assert isinstance(load_task(name, **kwargs), Task)
 
 
 def test_unknown_names_and_paths() -> None:

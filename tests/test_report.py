@@ -96,6 +96,30 @@ def test_full_run_writes_every_plot_and_the_markdown(tmp_path: Path) -> None:
     assert "metrics/learner.jsonl` (40 steps)" in markdown
 
 
+def test_the_report_names_the_held_out_metric(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path)
+    summary = json.loads(RunDir(run_dir).summary_path.read_text())
+    summary.update(
+        eval_metric="pass@1",
+        eval_decoding="greedy",
+        eval_prompts=115,
+        initial_pass_at_1=0.4,
+        final_pass_at_1=0.6,
+        pass_at_1_by_step=[[0, 0.4], [STEPS, 0.6]],
+        initial_eval_mean_reward=0.45,
+        final_eval_mean_reward=0.65,
+    )
+    RunDir(run_dir).summary_path.write_text(json.dumps(summary))
+    markdown = (write_report(run_dir)[-1]).read_text()
+    assert "| final_pass_at_1 | 0.6 (greedy, 115 held-out prompts) |" in markdown
+    assert "| final_eval_mean_reward | 0.65 |" in markdown
+    assert "final_accuracy" not in markdown  # the older name is not shown beside the new one
+    summary.update(initial_pass_at_1=None, final_pass_at_1=None, pass_at_1_by_step=[[0, None]])
+    RunDir(run_dir).summary_path.write_text(json.dumps(summary))
+    markdown = (write_report(run_dir)[-1]).read_text()
+    assert "| final_pass_at_1 | n/a (the task declares no correctness predicate) |" in markdown
+
+
 def test_killed_run_with_one_truncated_line_and_no_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "killed"
     RunDir(run_dir).metrics_dir.mkdir(parents=True)

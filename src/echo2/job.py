@@ -18,7 +18,8 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     task_kwargs: dict[str, Any] = {}
     """Keyword arguments of the task's factory (checked against its signature at load)."""
     reward: str = ""
-    """Optional ``module:function`` reward overriding the task's own."""
+    """Optional training reward replacing the task's own: a built-in name ("exact",
+    "math_answer") or ``module:function``. The task's correctness predicate (its metric) stays."""
     group_size: Annotated[int, Meta(ge=1)] = 8
     """G: completions sampled per prompt (one GRPO group)."""
     groups_per_step: Annotated[int, Meta(ge=1)] = 16

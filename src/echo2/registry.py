@@ -120,13 +120,23 @@ TASKS: Registry[str] = Registry(
         "addition": "echo2.tasks.addition:AdditionTask",
         "math_answer": "echo2.tasks.math_answer:MathWordTask",
         "reasoning_gym": "echo2.tasks.reasoning_gym:ReasoningGymTask",
+        "dataset": "echo2.tasks.dataset:DatasetTask",
     },
     path_form="package.module:factory",
 )
 """``job.task``: a built-in task or the import path of a class or function returning a Task."""
 
-REWARDS: Registry[str] = Registry("reward", {}, path_form="package.module:function")
-"""``job.reward``: the import path of a function ``(prompt, completion) -> float``."""
+REWARDS: Registry[str] = Registry(
+    "reward",
+    {
+        # binary (0 or 1), so a task may use one as its correctness predicate too
+        "exact": "echo2.tasks.base:exact_match",
+        "math_answer": "echo2.tasks.math_answer:math_reward",
+    },
+    path_form="package.module:function",
+)
+"""``job.reward`` and the dataset task's ``reward`` / ``correct``: a built-in reward or the
+import path of a function ``(prompt, completion) -> float``."""
 
 
 __all__ = ["ACTORS", "ENGINES", "REWARDS", "TASKS", "EngineKind", "Registry", "import_object"]

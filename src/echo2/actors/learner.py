@@ -22,6 +22,11 @@ Every ``kappa`` steps (default ``max(1, S - 1)``) it hands an immutable snapshot
 WeightPublisher. The time spent waiting for a batch is the bubble; the next request is
 sent before the current step trains, so the transfer overlaps compute.
 
+Evaluation (at the start, every ``eval_every`` steps and at the end): one greedy completion
+per held-out prompt, reported as pass@1 of the task's correctness predicate and, apart, as
+the mean training reward (``echo2.tasks.evaluation``); a task that declares no predicate gets
+no pass@1 (null in ``summary.json``).
+
 Deviations from the paper: none in the objective; the paper's batch is 128 prompts x 16
 samples, the default here is 16 x 8 for the tiny model.
 
@@ -53,7 +58,8 @@ from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
 from echo2.rl import OldPolicy
 from echo2.rundir import RunDir
-from echo2.tasks.base import load_job_task
+from echo2.tasks.base import correctness, load_job_task
+from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
 from echo2.training.accounting import TrainingAccount
 from echo2.training.checkpoint import (
     TRAINED_TASKS_FILE,
@@ -184,7 +190,7 @@ class Learner(Actor):
         self.account = TrainingAccount()
         self.wait_s = 0.0
         self.train_s = 0.0
-        self.evals: list[tuple[int, float]] = []
+        self.evals: list[HeldoutScore] = []
         self.buffer_stats: BufferStats | None = None  # the Buffer's counters with the last batch
         self._request_id = 0
         self._recent_train_s: deque[float] = deque(maxlen=20)
@@ -226,8 +232,8 @@ class Learner(Actor):
     # -- main loop -------------------------------------------------------------------
 
     async def run(self) -> None:
-        self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
-        self.ctx.log.info("step %d: greedy accuracy %.3f (start)", self.version, self.evals[-1][1])
+        self.evals.append(await asyncio.to_thread(self.evaluate))
+        self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
         started = time.monotonic()  # wall_s covers training, not the initial evaluation
         await self._publish()
         await self._request()
@@ -263,12 +269,12 @@ class Learner(Actor):
             if self.version % self.kappa == 0:
                 await self._publish()
             if self.config.eval_every and self.version % self.config.eval_every == 0:
-                self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
-                record["accuracy"] = self.evals[-1][1]
+                self.evals.append(await asyncio.to_thread(self.evaluate))
+                record.update(_eval_record(self.evals[-1]))
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
                 await self._checkpoint()
             self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
-            if self.version % self.config.log_every == 0 or "accuracy" in record:
+            if self.version % self.config.log_every == 0 or "eval_mean_reward" in record:
                 last_log = self._log_progress(record, last_log)
         await self._finish(time.monotonic() - started, stopped_by)
 
@@ -326,14 +332,14 @@ class Learner(Actor):
             **stats.record(),
         }
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the fixed held-out prompts."""
+    def evaluate(self) -> HeldoutScore:
+        """Greedy completions of the fixed held-out prompts, scored by the task's correctness
+        predicate (pass@1) and by the training reward (``echo2.tasks.evaluation``)."""
         engine = self._eval_engine
         ids = [engine.encode_prompt(p.text) for p in self.heldout]
         completions = engine.greedy(ids, max_new_tokens=self.job.max_new_tokens)
         self.policy.model.train()
-        scores = [self.task.reward(p, c.text) for p, c in zip(self.heldout, completions, strict=True)]
-        return float(np.mean(scores))
+        return score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -342,7 +348,7 @@ class Learner(Actor):
         steps = self.version - last[1]
         rate = steps * self.job.groups_per_step * self.job.group_size / max(now - last[0], 1e-9)
         busy = self.wait_s + self.train_s
-        accuracy = f" | acc {record['accuracy']:.3f}" if "accuracy" in record else ""
+        accuracy = f" | held-out {_describe(self.evals[-1])}" if "eval_mean_reward" in record else ""
         self.ctx.log.info(
             "step %d | reward %.3f%s | stale max %d | %.0f rollouts/s | learner idle %.0f%%",
             self.version,
@@ -411,8 +417,8 @@ class Learner(Actor):
 
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         self.trainer.close()
-        if not self.evals or self.evals[-1][0] != self.version:
-            self.evals.append((self.version, await asyncio.to_thread(self.evaluate)))
+        if not self.evals or self.evals[-1].step != self.version:
+            self.evals.append(await asyncio.to_thread(self.evaluate))
         await self._checkpoint()
         busy = self.wait_s + self.train_s
         summary = {
@@ -422,9 +428,7 @@ class Learner(Actor):
             "wall_s": round(wall_s, 2),
             "staleness_budget": self.job.staleness,
             "kappa": self.kappa,
-            "initial_accuracy": self.evals[0][1],
-            "final_accuracy": self.evals[-1][1],
-            "accuracy_by_step": [[s, a] for s, a in self.evals],
+            **self._eval_summary(),
             **self.account.summary(),
             "drops_by_reason": dict(self.buffer_stats.dropped) if self.buffer_stats is not None else {},
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
@@ -434,19 +438,56 @@ class Learner(Actor):
         }
         self.summary = summary
         self.ctx.log.info(
-            "done (%s): %d of %d steps in %.0f s, greedy accuracy %.3f -> %.3f, staleness max %d (S=%d)",
+            "done (%s): %d of %d steps in %.0f s, held-out %s -> %s, staleness max %d (S=%d)",
             _STOPPED_BY_TEXT[stopped_by],
             summary["steps"],
             self.config.max_steps,
             wall_s,
-            summary["initial_accuracy"],
-            summary["final_accuracy"],
+            _describe(self.evals[0]),
+            _describe(self.evals[-1]),
             summary["staleness_max"],
             self.job.staleness,
         )
         if self.ctx.run_dir is not None:
             path = RunDir(self.ctx.run_dir).summary_path
             path.write_text(json.dumps(summary, indent=2) + "\n")
+
+    def _eval_summary(self) -> dict[str, Any]:
+        """The held-out evaluation in ``summary.json``: what was measured, then the numbers.
+
+        ``initial_accuracy`` / ``final_accuracy`` / ``accuracy_by_step`` are the older names
+        of pass@1, kept for the readers of earlier summaries."""
+        first, last = self.evals[0], self.evals[-1]
+        correct = correctness(self.task)
+        return {
+            "eval_metric": PASS_AT_1 if correct is not None else None,
+            "eval_predicate": f"correct() of task {self.task.name!r}" if correct is not None else None,
+            "eval_decoding": "greedy",
+            "eval_prompts": last.prompts,
+            "initial_pass_at_1": first.pass_at_1,
+            "final_pass_at_1": last.pass_at_1,
+            "pass_at_1_by_step": [[e.step, e.pass_at_1] for e in self.evals],
+            "initial_eval_mean_reward": first.mean_reward,
+            "final_eval_mean_reward": last.mean_reward,
+            "eval_mean_reward_by_step": [[e.step, e.mean_reward] for e in self.evals],
+            "initial_accuracy": first.pass_at_1,
+            "final_accuracy": last.pass_at_1,
+            "accuracy_by_step": [[e.step, e.pass_at_1] for e in self.evals],
+        }
+
+
+def _describe(score: HeldoutScore) -> str:
+    """``pass@1 0.440, mean reward 0.440`` (pass@1 "n/a" when the task declares no predicate)."""
+    passed = "n/a" if score.pass_at_1 is None else f"{score.pass_at_1:.3f}"
+    return f"{PASS_AT_1} {passed}, mean reward {score.mean_reward:.3f}"
+
+
+def _eval_record(score: HeldoutScore) -> dict[str, Any]:
+    """The evaluation's fields in a step record (``accuracy``: pass@1, the name the report reads)."""
+    record: dict[str, Any] = {"eval_mean_reward": score.mean_reward}
+    if score.pass_at_1 is not None:
+        record["accuracy"] = score.pass_at_1
+    return record
 
 
 def step_settings(config: LearnerConfig) -> StepSettings:

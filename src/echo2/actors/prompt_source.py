@@ -66,7 +66,7 @@ from echo2.messages import (
     WorkRequest,
 )
 from echo2.rundir import RunDir
-from echo2.tasks.base import Prompt, load_job_task
+from echo2.tasks.base import Prompt, load_job_task, prompt_stream
 
 
 class PromptSourceConfig(ActorConfig, frozen=True):
@@ -225,8 +225,8 @@ class PromptSource(Actor):
             self.ctx.log.warning("--resume: no prompt source state at %s; starting the stream over", path)
             return
         state = json.loads(path.read_text())
-        for _ in range(state["issued_tasks"]):  # the stream is deterministic per seed: skip ahead
-            next(self._prompts)
+        # The stream is deterministic per seed: continue it where it stopped.
+        self._prompts = prompt_stream(self._task, self.job.seed, start=state["issued_tasks"])
         self._issued_tasks = state["issued_tasks"]
         self._stored, self._trained = state["stored"], state["trained"]
         self._dropped_after_store = state["dropped_after_store"]
@@ -418,8 +418,11 @@ class PromptSource(Actor):
             return self._retry.popleft()
         if self.config.max_tasks and self._issued_tasks >= self.config.max_tasks:
             return None
+        prompt = next(self._prompts, None)
+        if prompt is None:  # a finite task (a dataset's last epoch) has issued everything
+            return None
         self._issued_tasks += 1
-        return next(self._prompts), 0
+        return prompt, 0
 
     async def _issue(self) -> None:
         job = self.job

@@ -128,10 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         names = select_processes(topology, args.host)
-        check_before_launch(topology, names)
+        notes = check_before_launch(topology, names)
     except ConfigError as exc:
         print(f"{source}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever it quotes
         return exits.BAD_CONFIG
+    for note in notes:
+        print(f"{source}: note: {note}", file=sys.stderr)
 
     if args.dry_run:
         run_id = new_run_id(topology.run.name)

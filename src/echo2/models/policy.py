@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from echo2.models import hf as hf_models
+from echo2.models.tokenizer import CharTokenizer
 
 SMOLLM2 = "smollm2"
 
@@ -147,6 +148,29 @@ def resolve_model_dir(spec: str) -> tuple[str, Path]:
     return ("hf" if hf_models.is_hf_dir(path) else "tiny"), path
 
 
+def load_tokenizer(spec: str = "", *, chat_template: bool | None = None) -> CharTokenizer | HFTokenizer | None:
+    """The tokenizer ``load_policy(spec)`` would pair with its model, without the weights.
+
+    None when getting it would mean converting a model first (SmolLM2 before its first use).
+    """
+    if not spec:
+        return CharTokenizer()
+    if spec.lower() == SMOLLM2:
+        target = hf_models.cache_root() / "smollm2-135m-instruct"
+        if not hf_models.is_hf_dir(target):
+            return None
+        spec = str(target)
+    kind, directory = resolve_model_dir(spec)
+    if kind == "tiny":
+        return CharTokenizer()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(
+        AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
+    )
+
+
 def load_policy(
     spec: str = "",
     *,
@@ -158,7 +182,6 @@ def load_policy(
     torch_dtype = hf_models.torch_dtype(dtype)
     kind, directory = resolve_model_dir(spec)
     if kind == "tiny":
-        from echo2.models import CharTokenizer
         from echo2.models.tiny import TinyTransformer
 
         model = TinyTransformer.load(directory, device=device)

@@ -93,3 +93,7 @@ class AdditionTask:
     def reward(self, prompt: Prompt, completion: str) -> float:
         """1.0 iff ``completion`` (surrounding whitespace ignored) equals the reversed sum."""
         return 1.0 if completion.strip() == prompt.answer else 0.0
+
+    def correct(self, prompt: Prompt, completion: str) -> bool:
+        """The reward is binary: right means reward 1."""
+        return self.reward(prompt, completion) == 1.0

@@ -5,15 +5,28 @@ A task is any object with ``name``, ``prompts(seed)``, ``heldout(n)`` and
 (``load_task("my_pkg.tasks:make_task")``) and may swap only the reward
 (``load_reward("my_pkg.rewards:exact")`` + :func:`with_reward`).
 
+Optional members a task may add (each has a fallback, see the functions named):
+
+- ``correct(prompt, completion) -> bool``: the correctness predicate the held-out evaluation
+  reports as pass@1 (:func:`correctness`). It is the task's *metric*, separate from the
+  training reward: a reward override (:func:`with_reward`) keeps it. A task without one gets
+  no pass@1, only its mean reward: echo2 cannot know whether a reward of 1.0 means "right".
+- ``prompts(seed, start=k)``: the stream from its ``k``-th prompt, cheaply
+  (:func:`prompt_stream`; otherwise the first ``k`` are generated and thrown away).
+- ``every_prompt()``: every prompt a finite task holds (a dataset), which the launcher
+  encodes with the model's tokenizer before anything starts (:func:`prompts_to_check`).
+
 Held-out prompts must be disjoint from training prompts *by construction* (a deterministic
 rule both sides apply), so an evaluation never measures memorisation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError
@@ -23,6 +36,7 @@ if TYPE_CHECKING:
     from echo2.job import JobConfig
 
 RewardFn = Callable[["Prompt", str], float]
+CorrectFn = Callable[["Prompt", str], bool]
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,8 @@ def load_task(spec: str, **kwargs: Any) -> Task:
 
 
 def load_reward(spec: str) -> RewardFn:
-    """A reward function ``(prompt, completion) -> float`` from ``"module:function"``.
+    """A reward function ``(prompt, completion) -> float``: a built-in name (``"exact"``,
+    ``"math_answer"``; ``echo2.registry.REWARDS``) or ``"module:function"``.
 
     Raises ``ResolveError`` (a ValueError) naming ``spec``.
     """
@@ -89,16 +104,61 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def exact_match(prompt: Prompt, completion: str) -> float:
+    """1.0 iff ``completion`` equals ``prompt.answer``, surrounding whitespace ignored (``reward = "exact"``)."""
+    return 1.0 if completion.strip() == prompt.answer.strip() else 0.0
+
+
+def correctness(task: Task) -> CorrectFn | None:
+    """The correctness predicate ``task`` declares (its ``correct`` method), or None."""
+    correct = getattr(task, "correct", None)
+    return correct if callable(correct) else None
+
+
+def prompt_stream(task: Task, seed: int, start: int = 0) -> Iterator[Prompt]:
+    """``task.prompts(seed)`` from its ``start``-th prompt on.
+
+    A task whose ``prompts`` takes ``start`` positions itself (a dataset: an index); any
+    other stream is advanced by generating and dropping ``start`` prompts.
+    """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if start and _accepts_start(task.prompts):
+        return task.prompts(seed, start=start)  # type: ignore[call-arg]  # checked: it takes start
+    return itertools.islice(task.prompts(seed), start, None)
+
+
+def _accepts_start(prompts: Callable[..., Iterator[Prompt]]) -> bool:
+    try:
+        return "start" in inspect.signature(prompts).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def prompts_to_check(task: Task, n: int = 64) -> Iterable[Prompt]:
+    """The prompts a launcher encodes before starting: all of them for a finite task
+    (``every_prompt``), else the first ``n`` held-out and ``n`` training prompts."""
+    every = getattr(task, "every_prompt", None)
+    if callable(every):
+        return cast("Iterable[Prompt]", every())
+    return [*task.heldout(n), *itertools.islice(task.prompts(0), n)]
+
+
 class _RewardOverride:
-    """A task whose prompts come from ``base`` and whose reward is ``reward_fn``."""
+    """A task whose prompts come from ``base`` and whose reward is ``reward_fn``; the base's
+    correctness predicate, stream position and prompt listing are kept."""
 
     def __init__(self, base: Task, reward_fn: RewardFn) -> None:
         self._base = base
         self._reward_fn = reward_fn
         self.name = base.name
+        if (correct := correctness(base)) is not None:
+            self.correct = correct
+        if callable(every := getattr(base, "every_prompt", None)):
+            self.every_prompt = every
 
-    def prompts(self, seed: int) -> Iterator[Prompt]:
-        return self._base.prompts(seed)
+    def prompts(self, seed: int, start: int = 0) -> Iterator[Prompt]:
+        return prompt_stream(self._base, seed, start)
 
     def heldout(self, n: int) -> list[Prompt]:
         return self._base.heldout(n)

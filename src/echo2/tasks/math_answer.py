@@ -156,3 +156,7 @@ class MathWordTask:
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return math_reward(prompt, completion)
+
+    def correct(self, prompt: Prompt, completion: str) -> bool:
+        """The reward is binary: right means the final answer matches."""
+        return math_reward(prompt, completion) == 1.0

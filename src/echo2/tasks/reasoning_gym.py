@@ -103,3 +103,8 @@ class ReasoningGymTask:
             return float(self._checker.score_answer(answer=answer, entry=entry))
         except (KeyError, TypeError, ValueError):
             return 0.0
+
+    def correct(self, prompt: Prompt, completion: str) -> bool:
+        """Right means full marks: some checkers give partial credit (a near answer, a
+        wrong format), which the reward keeps and correctness does not."""
+        return self.reward(prompt, completion) >= 1.0

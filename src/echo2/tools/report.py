@@ -8,8 +8,9 @@ Reads what ``python -m echo2.launch`` leaves in a run directory and writes ``RUN
 
 * ``reward.png`` — ``reward_mean`` per step, against step and against learner time, with a
   trailing rolling mean;
-* ``accuracy.png`` — greedy held-out accuracy (``summary.json``'s ``accuracy_by_step`` and
-  the step records' ``accuracy``) against step and learner time;
+* ``accuracy.png`` — held-out pass@1, greedy, of the task's correctness predicate
+  (``summary.json``'s ``pass_at_1_by_step``, or ``accuracy_by_step`` of older runs, and the
+  step records' ``accuracy``) against step and learner time;
 * ``staleness.png`` — staleness of the trained groups (``summary.json``'s
   ``staleness_histogram``; without it, each step's ``staleness_max``) with the budget ``S``
   (``job.staleness`` of ``topology.resolved.json``) as a vertical line;
@@ -221,13 +222,15 @@ def plot_reward(data: RunData, path: Path, window: int | None = None) -> Path | 
 
 
 def accuracy_points(data: RunData) -> list[tuple[int, float]]:
-    """(step, accuracy): the summary's ``accuracy_by_step`` completed by the step records'."""
+    """(step, pass@1): the summary's ``pass_at_1_by_step`` (older runs: ``accuracy_by_step``)
+    completed by the step records' ``accuracy``."""
     points: dict[int, float] = {}
     for record in data.steps:
         step, acc = _integer(record.get("step")), _number(record.get("accuracy"))
         if step is not None and acc is not None:
             points[step] = acc
-    by_step = (data.summary or {}).get("accuracy_by_step")
+    summary = data.summary or {}
+    by_step = summary.get("pass_at_1_by_step", summary.get("accuracy_by_step"))
     if isinstance(by_step, list):
         for item in by_step:
             if isinstance(item, list | tuple) and len(item) == 2:
@@ -277,10 +280,9 @@ def plot_accuracy(data: RunData, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     top = max(1.0, float(acc.max()))
     axes[0].set_ylim(-0.02, top + 0.02)
-    axes[0].set_ylabel("greedy held-out accuracy")
+    axes[0].set_ylabel("held-out pass@1 (greedy)")
     fig.suptitle(
-        f"Held-out greedy accuracy — step {points[0][0]}: {points[0][1]:.3f} → "
-        f"step {points[-1][0]}: {points[-1][1]:.3f}"
+        f"Held-out pass@1, greedy — step {points[0][0]}: {points[0][1]:.3f} → step {points[-1][0]}: {points[-1][1]:.3f}"
     )
     return _save(fig, path)
 
@@ -519,9 +521,25 @@ def headline_rows(data: RunData) -> list[tuple[str, str]]:
     summary = data.summary
     if summary is not None:
         rows: list[tuple[str, str]] = []
-        for key in ("steps", "wall_s", "initial_accuracy", "final_accuracy"):
+        for key in ("steps", "wall_s"):
             if key in summary:
                 rows.append((key, _format(summary[key])))
+        if "initial_pass_at_1" in summary:
+            measured = (
+                f" ({summary.get('eval_decoding', 'greedy')}, {summary.get('eval_prompts', '?')} held-out prompts)"
+            )
+            for key in ("initial_pass_at_1", "final_pass_at_1"):
+                value = summary.get(key)
+                shown = (
+                    "n/a (the task declares no correctness predicate)" if value is None else _format(value) + measured
+                )
+                rows.append((key, shown))
+            for key in ("initial_eval_mean_reward", "final_eval_mean_reward"):
+                rows.append((key, _format(summary.get(key))))
+        else:  # a run from before pass@1 was named
+            for key in ("initial_accuracy", "final_accuracy"):
+                if key in summary:
+                    rows.append((key, _format(summary[key])))
         if "staleness_max" in summary:
             suffix = f" (budget S = {data.budget})" if data.budget is not None else ""
             rows.append(("staleness_max", _format(summary["staleness_max"]) + suffix))

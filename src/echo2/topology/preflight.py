@@ -6,6 +6,11 @@ checks what needs more than one table, or this machine, so that a topology that 
 stops the launcher (``--dry-run`` included) with one line naming the field and exit 2,
 before any process starts, not later with a traceback inside a child:
 
+* the job's task: it builds with its ``task_kwargs`` (a dataset file exists, loads, has the
+  mapped fields and a non-empty held-out split; user modules it names import), and every
+  prompt it will issue encodes with the model's tokenizer (``tasks.base.prompts_to_check``:
+  all of a dataset's rows, a sample of an endless stream), the tokenizer loaded alone,
+  without the model's weights;
 * relations that cannot work: a Buffer, a PromptSource window or a task budget smaller
   than one learner batch (``job.groups_per_step``): no step could ever be trained;
 * addresses (``echo2.topology.addresses``, derived once here as ``resolve`` will): a
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from echo2.actors.buffer import BufferConfig
 from echo2.actors.learner import LearnerConfig
@@ -34,10 +39,15 @@ from echo2.actors.weight_publisher import WeightPublisherConfig
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError
 from echo2.job import JobConfig
+from echo2.models.tokenizer import CharTokenizer
 from echo2.registry import ENGINES
+from echo2.tasks.base import Task, load_job_task, prompts_to_check
 from echo2.topology.addresses import Addresses, derive_addresses
 from echo2.topology.schema import PlacedActor, Topology, placements
 from echo2.transport.auth import CurveSettings, load_public_keys
+
+if TYPE_CHECKING:
+    from echo2.models.policy import HFTokenizer
 
 _MODEL_ENGINES = ("torch", "hf", "vllm")
 """Engines that load a model: the Sampler gives them ``seed`` and ``model_dir`` by default."""
@@ -45,11 +55,11 @@ _SMOLLM2 = "smollm2"  # echo2.models.policy.SMOLLM2, without importing torch
 _T = TypeVar("_T")
 
 
-def check_before_launch(topology: Topology, processes: Sequence[str]) -> None:
+def check_before_launch(topology: Topology, processes: Sequence[str]) -> list[str]:
     """Raise ``ConfigError`` (one line, naming the field) if ``topology`` cannot run.
 
     ``processes``: those this launcher starts; what must exist on this machine is checked
-    for them only.
+    for them only. Returns notes on checks that could not be made (to print, not to fail on).
     """
     check_relations(topology)
     addresses = derive_addresses(placements(topology), topology.hosts, "preflight", curve=topology.security.curve)
@@ -59,6 +69,7 @@ def check_before_launch(topology: Topology, processes: Sequence[str]) -> None:
             _check_on_this_host(actor, topology.job)
     if topology.security.curve:
         _check_curve(topology, addresses, local)
+    return check_job(topology.job)
 
 
 def check_relations(topology: Topology) -> None:
@@ -183,3 +194,47 @@ def _with_path(path: str, load: Callable[..., _T], *args: Any) -> _T:
 
 
 __all__ = ["check_before_launch", "check_relations"]
+
+
+def check_job(job: JobConfig) -> list[str]:
+    """Build the job's task and encode its prompts; the notes to print (checks not made).
+
+    Raises ``ConfigError`` (``job.task_kwargs: ...``, ``job.model: ...``) on the first failure.
+    """
+    try:
+        task = load_job_task(job)
+    except ResolveError as exc:  # a reward or predicate the task names does not import
+        raise ConfigError(str(exc), path="job.task_kwargs") from None
+    except Exception as exc:  # a user's task factory may fail in any way: report it in one line
+        raise ConfigError(f"task {job.task!r}: {_one_line(exc)}", path="job.task_kwargs") from None
+    return check_prompts_encode(task, job.model)
+
+
+def check_prompts_encode(task: Task, model: str) -> list[str]:
+    """Encode the task's prompts with ``model``'s tokenizer; ConfigError at the first that fails."""
+    tokenizer: CharTokenizer | HFTokenizer | None
+    if not model:
+        tokenizer = CharTokenizer()  # the built-in model's, without importing torch
+    else:
+        from echo2.models.policy import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(model)
+        except (ValueError, OSError, ImportError) as exc:
+            raise ConfigError(f"cannot load the tokenizer: {_one_line(exc)}", path="job.model") from None
+    if tokenizer is None:
+        return [f"job.model: {model!r} is converted on first use; prompts not checked against its tokenizer"]
+    for prompt in prompts_to_check(task):
+        try:
+            tokenizer.encode_prompt(prompt.text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"prompt {prompt.task_id!r} of task {task.name!r} cannot be encoded for model "
+                f"{model or 'built-in tiny'!r}: {_one_line(exc)}",
+                path="job.task",
+            ) from None
+    return []
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
