@@ -67,7 +67,7 @@ class HostileSampler(Actor):
     ports: ClassVar[dict[str, Port]] = {"tasks": Port("dealer", bind=False), "rollouts": Port("push", bind=False)}
     config: HostileSamplerConfig
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._codec: PromptCodec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._tasks = ctx.open("tasks", identity=self.name.encode())
