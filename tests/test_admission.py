@@ -410,3 +410,20 @@ def test_ten_thousand_hostile_groups_leave_the_learner_running_and_the_audit_cle
     (done,) = RunDir(run).metrics("evil", "hostile_done")  # every hostile group went out while training ran
     assert done["sent"] >= 10_000
     assert sum(report.rejected_by_sampler["evil"].values()) >= 9_000  # type: ignore[attr-defined]
+
+
+async def test_a_sampler_whose_logprobs_stay_far_from_the_learners_is_quarantined(transport) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_actors import running
+
+    config = PromptSourceConfig(quarantine_mismatch=0.5, quarantine_mismatch_steps=3)
+    source = PromptSource("ps", config, JobConfig())
+    async with running(source, transport):
+        source.observe_mismatch(1, {"honest": 0.02, "liar": 2.0})
+        source.observe_mismatch(1, {"honest": 0.02, "liar": 2.0})  # a heartbeat repeating step 1
+        source.observe_mismatch(2, {"honest": -0.03, "liar": -1.5})
+        assert source._quarantined == set()  # two steps, not three
+        source.observe_mismatch(3, {"honest": 0.01, "liar": float("nan")})
+        assert source._quarantined == {b"liar"}
+        assert source.statistics().quarantined_samplers == 1
+        source.observe_mismatch(4, {"honest": 0.9})  # one step far off is not a streak
+        assert source._quarantined == {b"liar"}

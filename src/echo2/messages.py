@@ -156,6 +156,9 @@ class LearnerStats(Statistics, frozen=True):
     published_version: int = -1
     published_at_s: float = 0.0
     """Unix seconds at which ``published_version`` was handed to the publisher."""
+    mismatch_by_sampler: dict[str, float] = {}
+    """The last step's mean (sampler log-prob - learner log-prob) per token, per sampler
+    (``rl.step.StepStats``): the PromptSource quarantines a sampler that stays far off."""
 
 
 class SamplerStats(Statistics, frozen=True):

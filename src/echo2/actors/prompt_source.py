@@ -50,6 +50,7 @@ import asyncio
 import heapq
 import itertools
 import json
+import math
 import secrets
 import time
 from collections import deque
@@ -74,6 +75,7 @@ from echo2.messages import (
     Heartbeat,
     Hello,
     LearnerProgress,
+    LearnerStats,
     LeaseClosed,
     LeaseQuery,
     LeaseRecord,
@@ -133,6 +135,12 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     ``quarantine_window_s`` after which it gets no more leases."""
     quarantine_window_s: Annotated[float, Meta(gt=0)] = 60.0
     """Seconds over which a sampler's rejections are counted for quarantine."""
+    quarantine_mismatch: Annotated[float, Meta(ge=0)] = 1.0
+    """|mean sampler - learner log-prob| per token (nats) above which a step counts against
+    a sampler (the learner's ``mismatch_by_sampler``); 0 = off. Honest staleness moves it
+    by hundredths on the built-in model; another model or invented log-probs by more."""
+    quarantine_mismatch_steps: Annotated[int, Meta(ge=1)] = 5
+    """Consecutive learner steps over ``quarantine_mismatch`` after which it is quarantined."""
 
 
 @dataclass
@@ -172,6 +180,8 @@ class PromptSource(Actor):
         self._learner_incarnation = 0
         self._installed: dict[bytes, int] = {}  # peer -> installed version it reported
         self._quarantined: set[bytes] = set()
+        self._mismatch_streak: dict[str, int] = {}  # sampler -> consecutive steps far off
+        self._mismatch_version = -1
         self._rejections = RejectionTracker(self.config.quarantine_rejections, self.config.quarantine_window_s)
         self._stored = self._trained = self._dropped_after_store = 0
         self._issued_tasks = 0
@@ -320,6 +330,9 @@ class PromptSource(Actor):
             for message in await self._telemetry.recv_many():
                 if isinstance(message, Heartbeat):
                     self.scheduler.observe_heartbeat(time.monotonic(), message.actor_stats)
+                    for stats in message.actor_stats.values():
+                        if isinstance(stats, LearnerStats):
+                            self.observe_mismatch(stats.version, stats.mismatch_by_sampler)
                 elif isinstance(message, WeightsInstalled):
                     self.scheduler.observe_install(message.sampler_id, message.version, message.time_s)
 
@@ -446,6 +459,24 @@ class PromptSource(Actor):
         if self._rejections.add(name):
             limits = f"{self.config.quarantine_rejections} rejected groups in {self.config.quarantine_window_s:g} s"
             self.quarantine(lease.sampler, f"{limits} (last: {reason})")
+
+    def observe_mismatch(self, version: int, mismatch_by_sampler: dict[str, float]) -> None:
+        """The learner's last step's per-sampler log-prob mismatch (once per step: heartbeats
+        repeat it); quarantine a sampler over the threshold ``quarantine_mismatch_steps``
+        steps in a row."""
+        threshold = self.config.quarantine_mismatch
+        if not threshold or version <= self._mismatch_version:
+            return
+        self._mismatch_version = version
+        for sampler, mismatch in mismatch_by_sampler.items():
+            far = not math.isfinite(mismatch) or abs(mismatch) > threshold
+            streak = self._mismatch_streak[sampler] = self._mismatch_streak.get(sampler, 0) + 1 if far else 0
+            if streak >= self.config.quarantine_mismatch_steps:
+                steps = self.config.quarantine_mismatch_steps
+                self.quarantine(
+                    sampler.encode(),
+                    f"log-prob mismatch {mismatch:+.3f} nats/token beyond {threshold:g} for {steps} steps",
+                )
 
     def quarantine(self, peer: bytes, reason: str) -> None:
         """Give ``peer`` no more leases, and expire the ones it holds now so that their
