@@ -57,6 +57,10 @@ from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
 
 
+OTHER_SAMPLERS = "(other)"
+"""``rejected_by_sampler`` key of forgeries claiming names beyond the first 64 seen."""
+
+
 class BufferConfig(ActorConfig, frozen=True):
     max_groups: Annotated[int, Meta(ge=1)] = 4096
     """Most groups held; beyond it the oldest are dropped as ``overflow`` (a safety net:
@@ -245,6 +249,8 @@ class Buffer(Actor):
 
     async def _on_rejected(self, rejected: GroupRejected) -> None:
         reason, sampler = rejected.reason, rejected.sampler_id
+        if not rejected.holder and sampler not in self.rejected_by_sampler and len(self.rejected_by_sampler) >= 64:
+            sampler = OTHER_SAMPLERS  # claimed names are free: do not let them grow the stats
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         by_reason = self.rejected_by_sampler.setdefault(sampler, {})
         by_reason[reason] = by_reason.get(reason, 0) + 1
@@ -329,6 +335,8 @@ class Buffer(Actor):
                 if isinstance(message, BatchRequest):
                     if message.incarnation > self._incarnation:
                         self._on_new_incarnation(message)
+                        # Admission refuses versions of an incarnation it has not heard of.
+                        await self._report_progress(message.version)
                     self._pending = (peer, message)
                     self._learner_version = max(self._learner_version, message.version)
                 elif isinstance(message, LearnerCheckpointed):
