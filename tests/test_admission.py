@@ -348,45 +348,30 @@ async def test_a_sampler_too_old_to_be_trained_from_gets_no_leases_until_it_inst
 
 # -- the main job under attack ----------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
-ATTACKER = """
-[processes.evil]
-[actors.evil]
-kind = "echo2.actors.hostile:HostileSampler"
-process = "evil"
-config = {{ groups = {groups}, credits = 8 }}
-"""
-
 
 def attacked_run(tmp_path: Path, *, groups: int, steps: int) -> tuple[dict, object, list]:  # type: ignore[type-arg]
-    """The main job with a hostile sampler beside the two honest ones: (summary, audit, ledger)."""
-    import json
-    import subprocess
-    import sys
+    """The main job with a hostile sampler beside the two honest ones (``benchmarks/hostile.py``
+    runs it): (its figures, the audit, the ledger)."""
+    import importlib.util
 
-    from echo2.rundir import RunDir
     from echo2.tools.audit import audit
 
-    topology = tmp_path / "attacked.toml"
-    topology.write_text((ROOT / "examples" / "topology.toml").read_text() + ATTACKER.format(groups=groups))
-    command = [
-        sys.executable, "-m", "echo2.launch", str(topology), "--run-dir", str(tmp_path / "runs"),
-        "--set", f"actors.learner.config.max_steps={steps}",
-        "--set", "actors.learner.config.eval_every=0",
-        "--set", "actors.learner.config.eval_prompts=50",
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and not p.is_symlink()]
-    summary = json.loads(RunDir(run).summary_path.read_text())
-    return summary, audit([run]), ledger.read([run]).events
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hostile.py"
+    spec = importlib.util.spec_from_file_location("echo2_benchmark_hostile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures = module.run_case(tmp_path / "attacked", steps=steps, groups=groups)
+    assert figures["exit_code"] == 0, figures
+    run = Path(figures["run_dir"])
+    return figures, audit([run]), ledger.read([run]).events
 
 
 @pytest.mark.slow  # a launched job: ~40 s on 2 busy cores (the pipeline test above is the short one)
 @pytest.mark.timeout(200)
 def test_the_main_job_trains_on_with_a_hostile_sampler_and_audits_clean(tmp_path: Path) -> None:
-    summary, report, events = attacked_run(tmp_path, groups=600, steps=8)
-    assert summary["steps"] == 8 and summary["rollouts_trained_twice"] == 0
+    figures, report, events = attacked_run(tmp_path, groups=600, steps=8)
+    assert figures["steps"] == 8
     assert report.ok, report  # type: ignore[attr-defined]
     refused = report.rejected_by_sampler["evil"]  # type: ignore[attr-defined]
     # Each attack of the rotation that reached admission was refused for its own reason.
@@ -403,11 +388,12 @@ def test_the_main_job_trains_on_with_a_hostile_sampler_and_audits_clean(tmp_path
 def test_ten_thousand_hostile_groups_leave_the_learner_running_and_the_audit_clean(tmp_path: Path) -> None:
     from echo2.rundir import RunDir
 
-    summary, report, _ = attacked_run(tmp_path, groups=10_000, steps=60)
-    assert summary["steps"] == 60 and summary["rollouts_trained_twice"] == 0
+    figures, report, _ = attacked_run(tmp_path, groups=10_000, steps=60)
+    assert figures["steps"] == 60
     assert report.ok, report  # type: ignore[attr-defined]
-    (run,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir() and not p.is_symlink()]
-    (done,) = RunDir(run).metrics("evil", "hostile_done")  # every hostile group went out while training ran
+    (done,) = RunDir(Path(figures["run_dir"])).metrics(
+        "evil", "hostile_done"
+    )  # every hostile group went out while training ran
     assert done["sent"] >= 10_000
     assert sum(report.rejected_by_sampler["evil"].values()) >= 9_000  # type: ignore[attr-defined]
 

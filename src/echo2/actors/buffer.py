@@ -56,7 +56,6 @@ from echo2.messages import (
 from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
 
-
 OTHER_SAMPLERS = "(other)"
 """``rejected_by_sampler`` key of forgeries claiming names beyond the first 64 seen."""
 
