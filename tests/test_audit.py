@@ -212,3 +212,26 @@ def test_admission_rejections_and_quarantine_are_listed_by_sampler(run: Path) ->
     assert report.ok  # the defence working is no violation
     assert report.rejected_by_sampler == {"evil": {"bad_logprobs": 1}, "s0": {"wrong_token": 1}}
     assert report.quarantined == {"evil": "8 rejected groups in 60 s"}
+
+
+def test_the_report_lists_quarantined_samplers_and_refusals(run: Path) -> None:
+    from echo2.tools.report import admission_notes
+
+    assert admission_notes(run) == []
+    _write(
+        run,
+        "more",
+        [
+            ledger.Rejected(
+                task="t5", lease=5, version=0, outcome="rejected", reason="too_long", sampler="evil", holder=True
+            ),
+            ledger.Rejected(
+                task="t5", lease=5, version=0, outcome="rejected", reason="too_long", sampler="evil", holder=True
+            ),
+            ledger.Quarantined(sampler="evil", reason="8 rejected groups in 60 s"),
+        ],
+    )
+    assert admission_notes(run) == [
+        "quarantined `evil`: 8 rejected groups in 60 s",
+        "refused from `evil`: 2 groups (too_long 2)",
+    ]
