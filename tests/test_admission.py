@@ -413,3 +413,37 @@ async def test_a_sampler_whose_logprobs_stay_far_from_the_learners_is_quarantine
         assert source.statistics().quarantined_samplers == 1
         source.observe_mismatch(4, {"honest": 0.9})  # one step far off is not a streak
         assert source._quarantined == {b"liar"}
+
+
+def meta_reward(prompt, completion: str) -> float:  # type: ignore[no-untyped-def]
+    """Test reward: what the trusted record's ``meta`` says, whatever the completion."""
+    return float(prompt.meta["worth"]) if prompt.answer == "trusted" else -1.0
+
+
+async def test_the_reward_sees_the_trusted_prompts_answer_and_meta(transport) -> None:  # type: ignore[no-untyped-def]
+    from tests.test_actors import lease_records_served, running
+
+    from echo2.messages import GroupRejected, ScoredGroup
+
+    rewarder = Rewarder("rw", job=JobConfig(reward="tests.test_admission:meta_reward"))
+    async with running(rewarder, transport) as p:
+        rollouts = transport.push(name="s.rollouts", connect=[f"inproc://{p}/rollouts"])
+        scored = transport.pull(name="buf.scored", bind=[f"inproc://{p}/peer-scored"])
+        leases = transport.router(name="ps.leases", bind=[f"inproc://{p}/peer-leases"])
+        try:
+            group = _group("t", version=0)
+            record = msgspec.structs.replace(lease_record(group, answer="trusted"), meta={"worth": 0.75})
+            unknown = msgspec.structs.replace(group, lease_id=99)
+            async with lease_records_served(leases, {group.lease_id: record}):
+                await rollouts.send(
+                    OldRolloutGroup(**{f: getattr(group, f) for f in group.__struct_fields__}, answer="x")
+                )
+                await rollouts.send(unknown)
+                got = [await scored.recv(), await scored.recv()]
+            (result,) = [m for m in got if isinstance(m, ScoredGroup)]
+            (refused,) = [m for m in got if isinstance(m, GroupRejected)]
+            assert result.rewards.tolist() == [0.75, 0.75]
+            assert (refused.lease_id, refused.reason, refused.holder) == (99, "unknown_lease", False)
+        finally:
+            for endpoint in (rollouts, scored, leases):
+                endpoint.close()

@@ -261,7 +261,7 @@ class PromptSource(Actor):
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
+        tmp.write_text(json.dumps(state, default=str))  # (meta a task filled with other types)
         tmp.replace(path)
 
     def _load_state(self) -> None:
@@ -531,7 +531,7 @@ class PromptSource(Actor):
             max_new_tokens=self.job.max_new_tokens,
             prompt=prompt.text,
             answer=prompt.answer,
-            meta=msgspec.to_builtins(prompt.meta),
+            meta=msgspec.to_builtins(prompt.meta, enc_hook=str),  # plain values travel; others as text
             prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
         )
 
