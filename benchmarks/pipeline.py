@@ -294,9 +294,7 @@ def _scored_group(task_id: str, prompt_ids: list[int], completions: list[Any], r
     from echo2.actors.sampler import rollout_group
     from echo2.messages import PolicyVersion, ScoredGroup, TaskLease
 
-    lease = TaskLease(
-        lease_id=0, task_id=task_id, attempt=0, prompt="", answer="", group_size=len(completions), ttl_s=0.0
-    )
+    lease = TaskLease(lease_id=0, task_id=task_id, attempt=0, prompt="", group_size=len(completions), ttl_s=0.0)
     group = rollout_group(lease, "baseline", PolicyVersion(incarnation=0, version=0), prompt_ids, completions)
     return ScoredGroup(
         group=group, rewards=np.asarray(rewards, dtype=np.float32), keep=np.ones(len(completions), dtype=bool)

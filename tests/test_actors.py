@@ -19,12 +19,15 @@ from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
 from echo2.actors.rewarder import Rewarder, RewarderConfig
 from echo2.job import JobConfig
 from echo2.messages import (
+    AdmissionWindow,
     Batch,
     BatchRequest,
     ExpireLease,
     Hello,
     LearnerProgress,
     LeaseClosed,
+    LeaseRecord,
+    LeaseRecords,
     RolloutGroup,
     ScoredGroup,
     TaskLease,
@@ -59,9 +62,13 @@ async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
             runtime.request_stop("test finished")
 
 
+TOKEN = bytes(range(16))
+
+
 def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) -> RolloutGroup:
     n = len(texts)
     return RolloutGroup(
+        lease_token=TOKEN,
         lease_id=lease_id,
         task_id=task_id,
         attempt=0,
@@ -69,7 +76,6 @@ def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) 
         incarnation=0,
         version=version,
         prompt="123+456=",
-        answer="975",
         prompt_token_ids=np.arange(8, dtype=np.int32),
         token_ids=np.zeros(4 * n, dtype=np.int32),
         logprobs=np.full(4 * n, -0.5, dtype=np.float32),
@@ -77,6 +83,46 @@ def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) 
         texts=list(texts),
         finish_reasons=["eos"] * n,
     )
+
+
+def lease_record(group: RolloutGroup, answer: str = "975", max_new_tokens: int = 16) -> LeaseRecord:
+    """The trusted record of the lease ``group`` answers (what the PromptSource would hold)."""
+    return LeaseRecord(
+        lease_id=group.lease_id,
+        task_id=group.task_id,
+        attempt=group.attempt,
+        sampler_id=group.sampler_id,
+        token=TOKEN,
+        group_size=group.group_size,
+        max_new_tokens=max_new_tokens,
+        prompt=group.prompt,
+        answer=answer,
+        meta={"source": "test"},
+        prompt_token_ids=group.prompt_token_ids.copy(),
+    )
+
+
+WINDOW = AdmissionWindow(incarnation=0, newest=0, oldest=-3, vocab_size=15)
+
+
+@contextlib.asynccontextmanager
+async def lease_records_served(
+    leases, records: dict[int, LeaseRecord], window: AdmissionWindow = WINDOW
+) -> AsyncIterator[None]:
+    """Play the PromptSource's ``leases`` channel: answer every ``LeaseQuery`` from ``records``."""
+
+    async def serve() -> None:
+        while True:
+            for peer, query in await leases.recv_many():
+                found = [records[i] for i in query.lease_ids if i in records]
+                await leases.send(peer, LeaseRecords(request_id=query.request_id, records=found, window=window))
+
+    async with asyncio.TaskGroup() as group:
+        server = group.create_task(serve())
+        try:
+            yield
+        finally:
+            server.cancel()
 
 
 def _scored(task_id: str, version: int, lease_id: int, reason: str = "") -> ScoredGroup:
@@ -225,7 +271,7 @@ async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) 
         try:
             await sampler.send(Hello(peer_id="s0", role="sampler"))
             await sampler.recv()
-            await sampler.send(WorkRequest(sampler_id="s0", credits=10))
+            await sampler.send(WorkRequest(sampler_id="s0", credits=10, incarnation=0, installed_version=0))
             leases = [await sampler.recv(), await sampler.recv()]
             # Stored is not trained: the window stays full until the learner takes them.
             for lease in leases:
@@ -233,6 +279,8 @@ async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) 
                     LeaseClosed(lease_id=lease.lease_id, task_id=lease.task_id, attempt=0, outcome="stored")
                 )
             await completions.send(LearnerProgress(next_version=1, groups_trained=2, groups_dropped_after_store=0))
+            # S = 0: version 0 can no longer be trained; the sampler reports its install.
+            await sampler.send(WorkRequest(sampler_id="s0", credits=0, incarnation=0, installed_version=1))
             third = await sampler.recv()
             assert isinstance(third, TaskLease) and third.min_version == 1
             assert source.counters["leases_issued"] >= 3
@@ -262,13 +310,18 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
     async with running(rewarder, transport) as p:
         rollouts = transport.push(name="s.rollouts", connect=[f"inproc://{p}/rollouts"])
         scored = transport.pull(name="buf.scored", bind=[f"inproc://{p}/peer-scored"])
+        leases = transport.router(name="ps.leases", bind=[f"inproc://{p}/peer-leases"])
         try:
-            await rollouts.send(_group("a", 0, texts=("975", "boom", "hang", "1")))
-            await rollouts.send(_group("b", 0, texts=("boom", "boom", "975")))
+            a_group = _group("a", 0, lease_id=1, texts=("975", "boom", "hang", "1"))
+            b_group = _group("b", 0, lease_id=2, texts=("boom", "boom", "975"))
+            records = {g.lease_id: lease_record(g) for g in (a_group, b_group)}
             results = {}
-            while len(results) < 2:
-                for m in await scored.recv_many():
-                    results[m.group.task_id] = m
+            async with lease_records_served(leases, records):
+                await rollouts.send(a_group)
+                await rollouts.send(b_group)
+                while len(results) < 2:
+                    for m in await scored.recv_many():
+                        results[m.group.task_id] = m
             a, b = results["a"], results["b"]
             assert a.keep.tolist() == [True, False, False, True]
             assert a.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
@@ -279,6 +332,7 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
         finally:
             rollouts.close()
             scored.close()
+            leases.close()
 
 
 def _bare_sampler(**config: object):  # type: ignore[no-untyped-def]
@@ -295,7 +349,7 @@ def _bare_sampler(**config: object):  # type: ignore[no-untyped-def]
 
 
 def _lease(i: int) -> TaskLease:
-    return TaskLease(lease_id=i, task_id=f"t{i}", attempt=0, prompt="1+2=", answer="3", group_size=2, ttl_s=9.0)
+    return TaskLease(lease_id=i, task_id=f"t{i}", attempt=0, prompt="1+2=", group_size=2, ttl_s=9.0)
 
 
 async def test_sampler_waits_for_granted_leases_to_fill_a_batch() -> None:

@@ -160,3 +160,78 @@ def test_the_line_format_is_plain_json_with_time_and_event_name_first() -> None:
     assert line.endswith("\n")
     assert json.loads(line) == {"t": 12.3457, "ev": "leased", "task": "t1", "lease": 3, "attempt": 1, "sampler": "s0"}
     assert list(json.loads(line))[:2] == ["t", "ev"]
+
+
+def test_a_version_the_learner_had_not_reached_is_impossible_and_its_sampler_named(run: Path) -> None:
+    _write(
+        run,
+        "more",
+        [
+            ledger.Leased(task="t7", lease=7, attempt=0, sampler="evil"),
+            ledger.Accepted(task="t7", lease=7, version=1_000_000, sampler="evil"),
+            ledger.Trained(task="t7", version=1_000_000, learner_version=1, incarnation=0, sampler="evil"),
+        ],
+    )
+    report = audit([run])
+    assert report.impossible_version == ["t7"] and not report.stale_trained
+    assert report.culprits == {"impossible_version": {"evil": 1}}
+    assert not report.ok
+
+
+def test_every_violation_names_its_sampler(run: Path) -> None:
+    _write(run, "extra", [_trained("t0", 0, 2), _trained("zz", 1, 2)])
+    _write(run, "more", [ledger.Trained(task="yy", version=1, learner_version=2, incarnation=0, sampler="s9")])
+    report = audit([run])
+    # (t4, handed at version 2, is lost now that steps at 2 trained without it)
+    assert report.culprits == {"lost": {"s0": 1}, "duplicated": {"s0": 1}, "unexpected": {"?": 1, "s9": 1}}
+
+
+def test_a_failed_run_never_audits_ok(run: Path) -> None:
+    status = RunDir(run).status_path
+    status.write_text(json.dumps({"exit_code": 124, "reason": "deadline"}))
+    assert audit([run]).ok  # a deadline stops a run cleanly
+    status.write_text(json.dumps({"exit_code": 1, "reason": "process 'learner' failed"}))
+    report = audit([run])
+    assert not report.ok and "learner" in report.run_failed
+    assert main([str(run)]) == 1
+
+
+def test_admission_rejections_and_quarantine_are_listed_by_sampler(run: Path) -> None:
+    _write(
+        run,
+        "more",
+        [
+            ledger.Rejected(
+                task="t5", lease=5, version=0, outcome="rejected", reason="bad_logprobs", sampler="evil", holder=True
+            ),
+            ledger.Rejected(task="t5", lease=5, version=0, outcome="rejected", reason="wrong_token", sampler="s0"),
+            ledger.Quarantined(sampler="evil", reason="8 rejected groups in 60 s"),
+        ],
+    )
+    report = audit([run])
+    assert report.ok  # the defence working is no violation
+    assert report.rejected_by_sampler == {"evil": {"bad_logprobs": 1}, "s0": {"wrong_token": 1}}
+    assert report.quarantined == {"evil": "8 rejected groups in 60 s"}
+
+
+def test_the_report_lists_quarantined_samplers_and_refusals(run: Path) -> None:
+    from echo2.tools.report import admission_notes
+
+    assert admission_notes(run) == []
+    _write(
+        run,
+        "more",
+        [
+            ledger.Rejected(
+                task="t5", lease=5, version=0, outcome="rejected", reason="too_long", sampler="evil", holder=True
+            ),
+            ledger.Rejected(
+                task="t5", lease=5, version=0, outcome="rejected", reason="too_long", sampler="evil", holder=True
+            ),
+            ledger.Quarantined(sampler="evil", reason="8 rejected groups in 60 s"),
+        ],
+    )
+    assert admission_notes(run) == [
+        "quarantined `evil`: 8 rejected groups in 60 s",
+        "refused from `evil`: 2 groups (too_long 2)",
+    ]

@@ -127,6 +127,8 @@ def for_type(info: mi.Type, big_arrays: bool | None) -> st.SearchStrategy[Any]:
             )
         case mi.UnionType():
             return st.one_of(*(for_type(t, big_arrays) for t in info.types))
+        case mi.AnyType():  # free-form data (``LeaseRecord.meta``): plain msgpack values
+            return st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=8))
     raise NotImplementedError(f"no strategy for {info!r}: extend tests/test_codec.py")
 
 
@@ -247,7 +249,7 @@ def random_value(info: mi.Type, rng: random.Random, big: bool) -> Any:
             return "".join(rng.choice("az09 |\x00\u00e9\u2603\U0001f600") for _ in range(rng.randrange(9)))
         case mi.BytesType():
             return rng.randbytes(rng.randrange(20))
-        case mi.NoneType():
+        case mi.NoneType() | mi.AnyType():
             return None
         case mi.LiteralType():
             return rng.choice(info.values)
@@ -677,6 +679,7 @@ def _type_text(info: mi.Type) -> str:
         mi.BoolType: "bool",
         mi.BytesType: "bin",
         mi.NoneType: "nil",
+        mi.AnyType: "any msgpack value",
     }
     match info:
         case mi.CustomType(cls=cls) if cls is np.ndarray:

@@ -16,7 +16,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.test_actors import _group, running
+from tests.test_actors import _group, lease_record, lease_records_served, running
 
 from echo2.actors.buffer import Buffer
 from echo2.actors.prompt_source import PromptSource
@@ -91,8 +91,10 @@ async def test_prompt_source_sockets_survive_fuzzing(transport: Transport) -> No
     async with running(source, transport) as p:
         await _flood(transport, f"inproc://{p}/tasks", zmq.DEALER)
         await _flood(transport, f"inproc://{p}/completions", zmq.PUSH)
+        await _flood(transport, f"inproc://{p}/leases", zmq.DEALER)
         assert await _decode_errors(source, "tasks", 1000) >= 1000
         assert await _decode_errors(source, "completions", 1000) >= 1000
+        assert await _decode_errors(source, "leases", 1000) >= 1000
         sampler = transport.dealer(name="s0", connect=[f"inproc://{p}/tasks"], identity=b"s0")
         try:
             await sampler.send(Hello(peer_id="s0", role="sampler"))
@@ -119,9 +121,12 @@ async def test_buffer_and_rewarder_sockets_survive_fuzzing(transport: Transport)
         rollouts = transport.push(name="s.rollouts", connect=[f"inproc://{pr}/rollouts"])
         scored_in = transport.push(name="tap.scored", connect=[f"inproc://{pb}/scored"])
         learner = transport.dealer(name="learner", connect=[f"inproc://{pb}/batch"], identity=b"learner")
+        leases = transport.router(name="ps.leases", bind=[f"inproc://{pr}/peer-leases"])
         try:
-            await rollouts.send(_group("good", 0))
-            scored = await scored_out.recv()
+            good = _group("good", 0)
+            async with lease_records_served(leases, {good.lease_id: lease_record(good)}):
+                await rollouts.send(good)
+                scored = await scored_out.recv()
             assert isinstance(scored, ScoredGroup) and scored.rewards.tolist() == [1.0, 0.0]
             await scored_in.send(scored)
             closed = await completions.recv()
@@ -131,5 +136,5 @@ async def test_buffer_and_rewarder_sockets_survive_fuzzing(transport: Transport)
             assert isinstance(batch, Batch) and [g.group.task_id for g in batch.groups] == ["good"]
             assert np.array_equal(batch.groups[0].group.token_ids, scored.group.token_ids)
         finally:
-            for endpoint in (completions, scored_out, rollouts, scored_in, learner):
+            for endpoint in (completions, scored_out, rollouts, scored_in, learner, leases):
                 endpoint.close()

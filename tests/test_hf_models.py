@@ -179,7 +179,6 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
             incarnation=0,
             version=0,
             prompt="12+34=",
-            answer="64",
             prompt_token_ids=np.array(prompt, dtype=np.int32),
             token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
             logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32),

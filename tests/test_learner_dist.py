@@ -55,7 +55,7 @@ def group(i, version):
     tokens = rng.integers(3, 15, size=sum(lengths)).astype(np.int32)
     return ScoredGroup(
         group=RolloutGroup(lease_id=i, task_id=f"t{i}", attempt=0, sampler_id=f"s{i % 4 // 2}", incarnation=0,
-                           version=version, prompt="1+2=", answer="3",
+                           version=version, prompt="1+2=",
                            prompt_token_ids=np.array([1, 4, 13, 5, 14], dtype=np.int32), token_ids=tokens,
                            logprobs=rng.uniform(-3, -1, size=len(tokens)).astype(np.float32),
                            offsets=np.array([0, lengths[0], sum(lengths)], dtype=np.int32),

@@ -36,7 +36,6 @@ def _group(i: int, version: int = 0) -> ScoredGroup:
             incarnation=0,
             version=version,
             prompt="1+2=",
-            answer="3",
             prompt_token_ids=np.array([1, 4, 13, 5, 14], dtype=np.int32),
             token_ids=np.array([6, 2, 7, 8, 2], dtype=np.int32),
             logprobs=np.full(5, -2.0, np.float32),

@@ -39,7 +39,6 @@ def scored(
             incarnation=0,
             version=version,
             prompt="",
-            answer="",
             prompt_token_ids=np.array([1, 4], dtype=np.int32),
             token_ids=tokens,
             logprobs=-(np.arange(len(tokens), dtype=np.float32) + 1.0),  # -1, -2, ... per token
@@ -211,8 +210,8 @@ def test_account_counts_each_group_once_with_its_staleness() -> None:
     assert account.staleness == {1: 1, 3: 1}
     assert account.rollouts_trained == 3
     assert events == [
-        ledger.Trained(task="a", version=3, learner_version=4, incarnation=2),
-        ledger.Trained(task="b", version=1, learner_version=4, incarnation=2),
+        ledger.Trained(task="a", version=3, learner_version=4, incarnation=2, sampler="s"),
+        ledger.Trained(task="b", version=1, learner_version=4, incarnation=2, sampler="s"),
     ]
     account.commit(batch[:1], learner_version=5, incarnation=2, ledger=lambda event: None)
     summary = account.summary()

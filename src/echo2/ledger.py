@@ -17,7 +17,8 @@ event              writer          meaning
 ``leased``         PromptSource    a task was leased to a sampler (``attempt`` counts issues)
 ``submitted``      Sampler         a rollout group was sent on for scoring
 ``accepted``       Buffer          the group was stored (decided once per task)
-``rejected``       Buffer          the group was refused on arrival (``LeaseOutcome`` + reason)
+``rejected``       Buffer          the group was refused on arrival (``LeaseOutcome`` + reason;
+                                   ``rejected``: failed admission, ``sampler`` names who)
 ``lease_expired``  Buffer          the lease's deadline passed with nothing stored
 ``lease_closed``   PromptSource    the lease was settled (the Buffer's outcome)
 ``task_abandoned`` PromptSource    a task expired ``max_attempts`` times and is given up
@@ -27,6 +28,7 @@ event              writer          meaning
 ``dropped``        Buffer          a stored group was dropped (stale while waiting, overflow)
 ``unconsumed``     Buffer          a group was still stored when the run ended
 ``resumed``        Learner         a learner resumed from a checkpoint under a new incarnation
+``quarantined``    PromptSource    a sampler gets no more leases (``reason``)
 =================  ==============  ===========================================================
 """
 
@@ -83,7 +85,11 @@ class Rejected(LedgerEvent, frozen=True):
     version: int
     outcome: LeaseOutcome
     reason: str = ""
-    """Why a ``dropped`` group was dropped ("" for the other outcomes)."""
+    """Why a ``dropped`` or ``rejected`` group was refused ("" for the other outcomes)."""
+    sampler: str = ""
+    """Who sent it: the lease holder when ``holder``, else the name the group claimed."""
+    holder: bool = False
+    """The group echoed its open lease's token (``sampler`` is then trustworthy)."""
 
     @property
     def label(self) -> str:
@@ -128,6 +134,8 @@ class Trained(LedgerEvent, frozen=True):
     """Learner version of the step that trained it."""
     incarnation: int
     """The learner's incarnation (a resumed learner voids its predecessor's later steps)."""
+    sampler: str = ""
+    """The sampler the group came from (so that the audit can name it)."""
 
 
 class Dropped(LedgerEvent, frozen=True):
@@ -149,6 +157,11 @@ class Resumed(LedgerEvent, frozen=True):
     checkpoint resumed from holds none of them; ``previous_incarnation`` is the newest that ran)."""
 
 
+class Quarantined(LedgerEvent, frozen=True):
+    sampler: str
+    reason: str
+
+
 AnyLedgerEvent = (
     Leased
     | Submitted
@@ -163,6 +176,7 @@ AnyLedgerEvent = (
     | Dropped
     | Unconsumed
     | Resumed
+    | Quarantined
 )
 EVENT_TYPES: tuple[type[LedgerEvent], ...] = AnyLedgerEvent.__args__
 EVENT_NAMES: tuple[str, ...] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)

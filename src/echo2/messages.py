@@ -21,7 +21,7 @@ carries it as a decode error), so prefer fields to new records.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
@@ -62,11 +62,35 @@ class _Versioned:
         return PolicyVersion(self.incarnation, self.version)
 
 
-LeaseOutcome = Literal["stored", "duplicate", "expired", "late", "dropped"]
+LeaseOutcome = Literal["stored", "duplicate", "expired", "late", "dropped", "rejected"]
 """How the Buffer settled a lease (``LeaseClosed.outcome``): ``stored`` (the group is in
 the store), ``duplicate`` (its task was already stored or trained), ``expired`` (the
 deadline passed with no result: re-issue), ``late`` (a result for a lease already
-expired), ``dropped`` (not trainable; ``LeaseClosed.reason`` says why)."""
+expired), ``dropped`` (not trainable; ``LeaseClosed.reason`` says why), ``rejected`` (the
+lease holder's group failed admission, ``reason`` is a ``RejectReason``: re-issue at once)."""
+
+RejectReason = Literal[
+    "unknown_lease",
+    "wrong_token",
+    "wrong_task",
+    "wrong_group_size",
+    "unpublished_version",
+    "stale_version",
+    "prompt_mismatch",
+    "bad_shape",
+    "token_out_of_vocab",
+    "too_long",
+    "bad_logprobs",
+]
+"""Why admission (``echo2.actors.admission``) refused a rollout group before scoring:
+``unknown_lease`` (no open lease has that id), ``wrong_token`` (the lease's token was not
+echoed: the group is not the holder's), ``wrong_task`` (task id, attempt or sampler id
+differ from the lease), ``wrong_group_size``, ``unpublished_version`` (a version the
+learner has not reached, or negative), ``stale_version`` (older than the staleness bound
+allows), ``prompt_mismatch`` (prompt token ids differ from the trusted tokenization),
+``bad_shape`` (arrays of the wrong dtype, rank or length, offsets not monotone, text
+counts off), ``token_out_of_vocab``, ``too_long`` (a completion over the lease's
+``max_new_tokens``), ``bad_logprobs`` (non-finite or positive)."""
 
 
 class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
@@ -132,6 +156,9 @@ class LearnerStats(Statistics, frozen=True):
     published_version: int = -1
     published_at_s: float = 0.0
     """Unix seconds at which ``published_version`` was handed to the publisher."""
+    mismatch_by_sampler: dict[str, float] = {}
+    """The last step's mean (sampler log-prob - learner log-prob) per token, per sampler
+    (``rl.step.StepStats``): the PromptSource quarantines a sampler that stays far off."""
 
 
 class SamplerStats(Statistics, frozen=True):
@@ -166,6 +193,11 @@ class BufferStats(Statistics, frozen=True):
     Rewarder's reasons)."""
     stored_now: int = 0
     learner_version: int = 0
+    rejected: dict[RejectReason, int] = {}
+    """Groups refused at admission, by reason (never scored, never trained)."""
+    rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
+    """The same, per sampler: the lease holder's name when the group echoed its lease's
+    token, else the name the group claims (self-claimed, so never grounds for quarantine)."""
 
 
 class PromptSourceStats(Statistics, frozen=True):
@@ -181,6 +213,12 @@ class PromptSourceStats(Statistics, frozen=True):
     attempts_exhausted: int = 0
     refused_peers: int = 0
     leases_of_restarted_samplers: int = 0
+    leases_rejected: int = 0
+    """Leases whose holder's group failed admission (re-issued at once)."""
+    quarantined_samplers: int = 0
+    """Samplers given no more leases (repeated rejections); see the ``quarantined`` ledger event."""
+    leases_withheld_old_version: int = 0
+    """Times a sampler with credit was passed over because its installed version is too old."""
     open_leases: int = 0
     inflight: int = 0
     active_samplers: int = 0
@@ -196,6 +234,10 @@ class RewarderStats(Statistics, frozen=True):
     item_errors: dict[str, int] = {}
     """Completions whose reward failed, by reason (``timeout``, ``raised:<type>``, ...)."""
     stuck_threads: int = 0
+    groups_rejected: int = 0
+    """Groups refused at admission before scoring (the Buffer counts them by reason)."""
+    lease_lookup_retries: int = 0
+    """Lease lookups the PromptSource did not answer in time (asked again)."""
 
 
 class PublisherStats(Statistics, frozen=True):
@@ -277,10 +319,19 @@ class MetricsRecord(Message, frozen=True):
 
 
 class WorkRequest(Message, frozen=True):
-    """A sampler grants ``credits`` more tasks of work (credit-based flow control)."""
+    """A sampler grants ``credits`` more tasks of work (credit-based flow control), and says
+    which policy version it has installed ((-1, -1): none). A sampler whose installed
+    version is older than the staleness bound admits is given no leases until it reports a
+    newer one (``credits = 0`` reports an install without asking for more work)."""
 
     sampler_id: str
     credits: int
+    incarnation: int = -1
+    installed_version: int = -1
+
+    @property
+    def installed(self) -> PolicyVersion:
+        return PolicyVersion(self.incarnation, self.installed_version)
 
 
 class TaskLease(Message, frozen=True):
@@ -294,7 +345,6 @@ class TaskLease(Message, frozen=True):
     task_id: str
     attempt: int
     prompt: str
-    answer: str
     group_size: int
     ttl_s: float
     temperature: float = 1.0
@@ -303,6 +353,10 @@ class TaskLease(Message, frozen=True):
     min_version: int = 0
     """Generate with policy version >= this (else wait for weights): work made by an older
     policy would be too stale to train when it arrives."""
+    token: bytes = b""
+    """16 random bytes the sampler echoes in ``RolloutGroup.lease_token``: without CURVE a
+    sampler's name is self-claimed, so this is what proves a group is the lease holder's.
+    (The reference answer never travels: the trusted side scores from its own record.)"""
 
 
 # -- rollouts: Sampler -> Rewarder -> Buffer ------------------------------------------
@@ -323,7 +377,6 @@ class RolloutGroup(Message, _Versioned, frozen=True):
     incarnation: int
     version: int
     prompt: str
-    answer: str
     prompt_token_ids: np.ndarray  # int32 (P,)
     token_ids: np.ndarray  # int32 (sum_i T_i,)
     logprobs: np.ndarray  # float32 (sum_i T_i,)
@@ -331,6 +384,8 @@ class RolloutGroup(Message, _Versioned, frozen=True):
     texts: list[str]
     finish_reasons: list[str]
     generate_s: float = 0.0
+    lease_token: bytes = b""
+    """``TaskLease.token``, echoed."""
 
     @property
     def group_size(self) -> int:
@@ -363,6 +418,71 @@ class ExpireLease(Message, frozen=True):
     attempt: int
 
 
+class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The trusted side's record of one open lease: what admission checks a group against
+    and what the reward is computed from (``answer`` and ``meta`` never reach a sampler)."""
+
+    lease_id: int
+    task_id: str
+    attempt: int
+    sampler_id: str
+    """The routing id the lease was sent to."""
+    token: bytes
+    group_size: int
+    max_new_tokens: int
+    prompt: str
+    answer: str
+    meta: dict[str, Any] = {}
+    """``Prompt.meta`` of the task (plain msgpack values)."""
+    prompt_token_ids: np.ndarray  # int32 (P,): the trusted tokenization of ``prompt``
+
+
+class AdmissionWindow(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The versions a group may be tagged with now, and the model's vocabulary.
+
+    ``newest`` is the learner's next version (nothing newer can have been published);
+    ``oldest`` is that minus S. ``vocab_size``: token ids lie in ``[0, vocab_size)``."""
+
+    incarnation: int
+    newest: int
+    oldest: int
+    vocab_size: int
+
+
+class LeaseQuery(Message, frozen=True):
+    """Rewarder -> PromptSource (``leases``): the records of these leases, if open."""
+
+    request_id: int
+    lease_ids: list[int]
+
+
+class LeaseRecords(Message, frozen=True):
+    """PromptSource -> Rewarder: the open leases among those asked for (closed or unknown
+    ones are absent) and the current ``AdmissionWindow``."""
+
+    request_id: int
+    records: list[LeaseRecord]
+    window: AdmissionWindow
+
+
+class GroupRejected(Message, frozen=True):
+    """Rewarder -> Buffer (``scored``): a rollout group failed admission and was not scored.
+
+    ``holder`` is True when the group echoed its open lease's token: it is the lease
+    holder's (``sampler_id`` is then the holder's routing id), so the Buffer closes the
+    lease as ``rejected`` and it is re-issued at once. Otherwise nothing about the lease
+    changes and ``sampler_id`` is only what the group claimed."""
+
+    lease_id: int
+    task_id: str
+    attempt: int
+    sampler_id: str
+    version: int
+    reason: RejectReason
+    holder: bool = False
+    detail: str = ""
+
+
 class LearnerProgress(Message, frozen=True):
     """Buffer -> PromptSource after each batch: cumulative counters that pace issuance.
     (Stored groups are not among them: the PromptSource counts those from ``LeaseClosed``,
@@ -373,6 +493,8 @@ class LearnerProgress(Message, frozen=True):
     groups_dropped_after_store: int
     delivered_by_sampler: dict[str, int] = {}
     """Rollouts each sampler has had stored, cumulative (the scheduler's mu_i)."""
+    incarnation: int = 0
+    """The learner's incarnation (admission rejects versions of a later one)."""
 
 
 class LeaseClosed(Message, frozen=True):
@@ -551,6 +673,9 @@ AnyMessage = (
     | WorkRequest
     | TaskLease
     | ExpireLease
+    | LeaseQuery
+    | LeaseRecords
+    | GroupRejected
     | LearnerProgress
     | RolloutGroup
     | ScoredGroup

@@ -10,7 +10,13 @@ Admission (bounded staleness): a group made by version ``v`` is admissible for a
 at version ``t`` only if ``v >= t - S``; with ``S = 0`` only the current version trains.
 Groups are handed out oldest first, which keeps staleness low.
 
-Input: ``scored`` (PULL, bound) — ``ScoredGroup`` from Rewarders; ``batch`` (ROUTER,
+Rejections: a group the Rewarder refused at admission arrives as ``GroupRejected`` and is
+counted by reason and sampler (``BufferStats.rejected``, ``rejected_by_sampler``; ledger
+``rejected`` naming the sampler). When it was the lease holder's, the lease is closed as
+``rejected`` (the PromptSource re-issues it at once); otherwise the lease is left alone,
+since a group without the lease's token may be anyone's forgery.
+
+Input: ``scored`` (PULL, bound) — ``ScoredGroup`` and ``GroupRejected`` from Rewarders; ``batch`` (ROUTER,
 bound) — ``BatchRequest`` from the Learner; ``lease_control`` (PULL, bound) —
 ``ExpireLease`` from the PromptSource.
 Output: ``Batch`` to the Learner; ``LeaseClosed`` and ``LearnerProgress`` on
@@ -38,15 +44,20 @@ from echo2.messages import (
     BatchRequest,
     BufferStats,
     ExpireLease,
+    GroupRejected,
     LearnerCheckpointed,
     LearnerProgress,
     LeaseClosed,
     LeaseOutcome,
     PolicyVersion,
+    RejectReason,
     ScoredGroup,
 )
 from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
+
+OTHER_SAMPLERS = "(other)"
+"""``rejected_by_sampler`` key of forgeries claiming names beyond the first 64 seen."""
 
 
 class BufferConfig(ActorConfig, frozen=True):
@@ -86,6 +97,8 @@ class Buffer(Actor):
             "batches_served": 0,
         }
         self.dropped: dict[str, int] = {}
+        self.rejected: dict[RejectReason, int] = {}
+        self.rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
         self.delivered_by_sampler: dict[str, int] = {}  # rollouts stored, per sampler
         self._scored = ctx.open("scored")
         self._batch = ctx.open("batch")
@@ -126,6 +139,8 @@ class Buffer(Actor):
             "resumed_from": self._resumed_from,
             "counters": self.counters,
             "dropped": self.dropped,
+            "rejected": self.rejected,
+            "rejected_by_sampler": self.rejected_by_sampler,
             "store": [self._encode_group(g) for g in self._store],
             "retained": [[v, self._encode_group(g)] for v, g in self._retained],
         }
@@ -148,6 +163,8 @@ class Buffer(Actor):
         self._resumed_from = state["resumed_from"]
         self.counters.update(state["counters"])
         self.dropped.update(state["dropped"])
+        self.rejected.update(state.get("rejected", {}))  # (absent in states of earlier versions)
+        self.rejected_by_sampler.update(state.get("rejected_by_sampler", {}))
         decode = self._codec.decode
         self._store = deque(decode(frames) for frames in state["store"])
         self._retained = deque((v, decode(frames)) for v, frames in state["retained"])
@@ -182,6 +199,8 @@ class Buffer(Actor):
             dropped=dict(self.dropped),
             stored_now=len(self._store),
             learner_version=self._learner_version,
+            rejected=dict(self.rejected),
+            rejected_by_sampler={s: dict(r) for s, r in self.rejected_by_sampler.items()},
         )
 
     async def run(self) -> None:
@@ -205,7 +224,14 @@ class Buffer(Actor):
             self.ctx.ledger(ledger.Accepted(task=g.task_id, lease=g.lease_id, version=g.version, sampler=g.sampler_id))
         else:
             self.ctx.ledger(
-                ledger.Rejected(task=g.task_id, lease=g.lease_id, version=g.version, outcome=outcome, reason=reason)
+                ledger.Rejected(
+                    task=g.task_id,
+                    lease=g.lease_id,
+                    version=g.version,
+                    outcome=outcome,
+                    reason=reason,
+                    sampler=g.sampler_id,
+                )
             )
         await self._completions.send(
             LeaseClosed(lease_id=g.lease_id, task_id=g.task_id, attempt=g.attempt, outcome=outcome, reason=reason)
@@ -216,7 +242,37 @@ class Buffer(Actor):
             for message in await self._scored.recv_many():
                 if isinstance(message, ScoredGroup):
                     await self._accept(message)
+                elif isinstance(message, GroupRejected):
+                    await self._on_rejected(message)
             await self._answer_pending()
+
+    async def _on_rejected(self, rejected: GroupRejected) -> None:
+        reason, sampler = rejected.reason, rejected.sampler_id
+        if not rejected.holder and sampler not in self.rejected_by_sampler and len(self.rejected_by_sampler) >= 64:
+            sampler = OTHER_SAMPLERS  # claimed names are free: do not let them grow the stats
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        by_reason = self.rejected_by_sampler.setdefault(sampler, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        self.ctx.ledger(
+            ledger.Rejected(
+                task=rejected.task_id,
+                lease=rejected.lease_id,
+                version=rejected.version,
+                outcome="rejected",
+                reason=reason,
+                sampler=sampler,
+                holder=rejected.holder,
+            )
+        )
+        lease = rejected.lease_id
+        if not rejected.holder or lease in self._stored_leases or lease in self._expired_leases:
+            return  # nothing of the lease changes: a forgery, or a lease already settled
+        self._expired_leases.add(lease)  # another group for it is late
+        await self._completions.send(
+            LeaseClosed(
+                lease_id=lease, task_id=rejected.task_id, attempt=rejected.attempt, outcome="rejected", reason=reason
+            )
+        )
 
     async def _accept(self, scored: ScoredGroup) -> None:
         g = scored.group
@@ -278,6 +334,8 @@ class Buffer(Actor):
                 if isinstance(message, BatchRequest):
                     if message.incarnation > self._incarnation:
                         self._on_new_incarnation(message)
+                        # Admission refuses versions of an incarnation it has not heard of.
+                        await self._report_progress(message.version)
                     self._pending = (peer, message)
                     self._learner_version = max(self._learner_version, message.version)
                 elif isinstance(message, LearnerCheckpointed):
@@ -328,5 +386,6 @@ class Buffer(Actor):
                 groups_trained=self.counters["groups_trained"],
                 groups_dropped_after_store=self.counters["groups_dropped_after_store"],
                 delivered_by_sampler=dict(self.delivered_by_sampler),
+                incarnation=self._incarnation,
             )
         )

@@ -197,6 +197,7 @@ class Learner(Actor):
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
         self.published_at_s = 0.0
+        self.mismatch_by_sampler: dict[str, float] = {}  # the last step's (heartbeats carry it)
         self._checkpoint_versions: deque[int] = deque(maxlen=2)
         """The versions of the last two checkpoints: a resume that finds the newest damaged
         falls back to the one before, so the Buffer keeps what was trained since then."""
@@ -227,6 +228,7 @@ class Learner(Actor):
             kappa=self.kappa,
             published_version=self.published_version,
             published_at_s=self.published_at_s,
+            mismatch_by_sampler=dict(self.mismatch_by_sampler),
         )
 
     # -- main loop -------------------------------------------------------------------
@@ -318,6 +320,7 @@ class Learner(Actor):
         started = time.perf_counter()
         rows = pack_groups(groups)
         stats = self.trainer.step(rows, self.version)
+        self.mismatch_by_sampler = dict(stats.mismatch_by_sampler)
         train_s = time.perf_counter() - started
         lags = self.account.commit(
             groups, learner_version=self.version, incarnation=self.incarnation, ledger=self.ctx.ledger

@@ -30,6 +30,17 @@ started would come back as a duplicate of its re-issue). Every change of the act
 recorded (``kind = "activation"``, with its reason and figures) and so, every
 ``activation_record_s``, is the state with the dollars spent so far.
 
+Untrusted samplers (``echo2.actors.admission``): a lease carries the prompt text and a
+random token, never the answer. The PromptSource keeps each open lease's record (prompt,
+answer, meta, the trusted tokenization, holder, token) and answers the Rewarders'
+``LeaseQuery`` on ``leases`` with it and the current ``AdmissionWindow``. A lease whose
+holder's group failed admission comes back ``rejected`` and is re-issued at once. A
+sampler with ``quarantine_rejections`` such rejections within ``quarantine_window_s`` is
+quarantined: it gets no more leases (logged once, counted, ledger event ``quarantined``)
+and its open leases are expired now. A sampler whose installed version (reported in
+``WorkRequest``) is older than the learner's next version minus S gets no leases until it
+reports a newer one: its work could not be trained.
+
 Shutdown: on ``stopping`` it stops issuing and returns.
 """
 
@@ -39,26 +50,36 @@ import asyncio
 import heapq
 import itertools
 import json
+import math
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar
 
+import msgspec
+import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.messages import (
     HEARTBEAT_TOPIC,
     INSTALLED_TOPIC,
     PROTOCOL_VERSION,
+    AdmissionWindow,
     ExpireLease,
     Heartbeat,
     Hello,
     LearnerProgress,
+    LearnerStats,
     LeaseClosed,
+    LeaseQuery,
+    LeaseRecord,
+    LeaseRecords,
     PromptSourceStats,
     TaskLease,
     WeightsInstalled,
@@ -109,6 +130,17 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     """Declared broadcast seconds; < 0 = measured (publisher stat, else publication to install)."""
     activation_seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the random policy."""
+    quarantine_rejections: Annotated[int, Meta(ge=1)] = 8
+    """Admission rejections of one sampler's own groups (stale ones aside) within
+    ``quarantine_window_s`` after which it gets no more leases."""
+    quarantine_window_s: Annotated[float, Meta(gt=0)] = 60.0
+    """Seconds over which a sampler's rejections are counted for quarantine."""
+    quarantine_mismatch: Annotated[float, Meta(ge=0)] = 1.0
+    """|mean sampler - learner log-prob| per token (nats) above which a step counts against
+    a sampler (the learner's ``mismatch_by_sampler``); 0 = off. Honest staleness moves it
+    by hundredths on the built-in model; another model or invented log-probs by more."""
+    quarantine_mismatch_steps: Annotated[int, Meta(ge=1)] = 5
+    """Consecutive learner steps over ``quarantine_mismatch`` after which it is quarantined."""
 
 
 @dataclass
@@ -118,6 +150,7 @@ class _Lease:
     attempt: int
     sampler: bytes
     deadline: float
+    record: LeaseRecord
     expiring: bool = False
 
 
@@ -129,6 +162,7 @@ class PromptSource(Actor):
         "completions": Port("pull", bind=True),
         "lease_control": Port("push", bind=False),
         "telemetry": Port("sub", bind=True, channel="telemetry", on_full="drop"),
+        "leases": Port("router", bind=True),
     }
     config: PromptSourceConfig
 
@@ -143,6 +177,12 @@ class PromptSource(Actor):
         self._deadlines: list[tuple[float, int]] = []
         self._lease_ids = itertools.count(1)
         self._next_version = 0
+        self._learner_incarnation = 0
+        self._installed: dict[bytes, int] = {}  # peer -> installed version it reported
+        self._quarantined: set[bytes] = set()
+        self._mismatch_streak: dict[str, int] = {}  # sampler -> consecutive steps far off
+        self._mismatch_version = -1
+        self._rejections = RejectionTracker(self.config.quarantine_rejections, self.config.quarantine_window_s)
         self._stored = self._trained = self._dropped_after_store = 0
         self._issued_tasks = 0
         self.counters = dict.fromkeys(
@@ -157,6 +197,9 @@ class PromptSource(Actor):
                 "attempts_exhausted",
                 "refused_peers",
                 "leases_of_restarted_samplers",
+                "leases_rejected",
+                "quarantined_samplers",
+                "leases_withheld_old_version",
             ),
             0,
         )
@@ -186,6 +229,8 @@ class PromptSource(Actor):
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self.setup_state()
+        self._prompt_codec: PromptCodec = await asyncio.to_thread(trusted_prompt_codec, self.job)
+        self._lease_queries = ctx.open("leases")
         self._tasks_ep = ctx.open("tasks")
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
@@ -212,11 +257,11 @@ class PromptSource(Actor):
             "stored": self._stored,
             "trained": self._trained,
             "dropped_after_store": self._dropped_after_store,
-            "retry": [[p.task_id, p.text, p.answer, attempt] for p, attempt in pending],
+            "retry": [[p.task_id, p.text, p.answer, attempt, p.meta] for p, attempt in pending],
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
+        tmp.write_text(json.dumps(state, default=str))  # (meta a task filled with other types)
         tmp.replace(path)
 
     def _load_state(self) -> None:
@@ -233,7 +278,8 @@ class PromptSource(Actor):
         # Not the learner's version: a resumed learner goes back to its checkpoint, and the
         # Buffer's next LearnerProgress says where it is.
         self._retry.extend(
-            (Prompt(task_id=t, text=text, answer=answer), attempt) for t, text, answer, attempt in state["retry"]
+            (Prompt(task_id=t, text=text, answer=answer, meta=meta[0] if meta else {}), attempt)
+            for t, text, answer, attempt, *meta in state["retry"]  # (states before meta have 4)
         )
         self.ctx.log.info("resumed after %d tasks; %d to re-issue", self._issued_tasks, len(self._retry))
 
@@ -264,6 +310,7 @@ class PromptSource(Actor):
             self._issue(),
             self._serve_telemetry(),
             self._schedule(),
+            self._serve_lease_queries(),
         )
         self.ctx.record("activation_summary", **self._cost_values())
 
@@ -283,6 +330,9 @@ class PromptSource(Actor):
             for message in await self._telemetry.recv_many():
                 if isinstance(message, Heartbeat):
                     self.scheduler.observe_heartbeat(time.monotonic(), message.actor_stats)
+                    for stats in message.actor_stats.values():
+                        if isinstance(stats, LearnerStats):
+                            self.observe_mismatch(stats.version, stats.mismatch_by_sampler)
                 elif isinstance(message, WeightsInstalled):
                     self.scheduler.observe_install(message.sampler_id, message.version, message.time_s)
 
@@ -318,6 +368,7 @@ class PromptSource(Actor):
             for peer, message in await self._tasks_ep.recv_many():
                 if isinstance(message, WorkRequest):
                     self._credits[peer] = self._credits.get(peer, 0) + max(0, message.credits)
+                    self._installed[peer] = message.installed_version
                     self._wakeup.set()
                 elif isinstance(message, Hello):
                     await self._greet(peer, message)
@@ -352,6 +403,11 @@ class PromptSource(Actor):
                 if isinstance(message, LeaseClosed):
                     self._on_closed(message)
                 elif isinstance(message, LearnerProgress):
+                    if message.incarnation > self._learner_incarnation:
+                        # A resumed learner restarts from a checkpoint: its next version
+                        # may be lower than the one its predecessor reached.
+                        self._learner_incarnation = message.incarnation
+                        self._next_version = message.next_version
                     self._next_version = max(self._next_version, message.next_version)
                     self._trained = max(self._trained, message.groups_trained)
                     self._dropped_after_store = max(self._dropped_after_store, message.groups_dropped_after_store)
@@ -385,6 +441,108 @@ class PromptSource(Actor):
             self.counters["closed_duplicate"] += 1
         elif closed.outcome == "dropped":
             self.counters["closed_dropped"] += 1
+        elif closed.outcome == "rejected":
+            self._on_rejected(lease, closed.reason)
+
+    def _on_rejected(self, lease: _Lease, reason: str) -> None:
+        """The holder's group failed admission: re-issue the task now, and count the
+        rejection toward quarantining the holder."""
+        self.counters["leases_rejected"] += 1
+        if lease.attempt + 1 < self.config.max_attempts:
+            self._retry.append((lease.prompt, lease.attempt + 1))
+        else:
+            self.counters["attempts_exhausted"] += 1
+            self.ctx.ledger(ledger.TaskAbandoned(task=lease.prompt.task_id, attempts=lease.attempt + 1))
+        if reason in QUARANTINE_EXEMPT or lease.sampler in self._quarantined:
+            return
+        name = lease.sampler.decode(errors="replace")
+        if self._rejections.add(name):
+            limits = f"{self.config.quarantine_rejections} rejected groups in {self.config.quarantine_window_s:g} s"
+            self.quarantine(lease.sampler, f"{limits} (last: {reason})")
+
+    def observe_mismatch(self, version: int, mismatch_by_sampler: dict[str, float]) -> None:
+        """The learner's last step's per-sampler log-prob mismatch (once per step: heartbeats
+        repeat it); quarantine a sampler over the threshold ``quarantine_mismatch_steps``
+        steps in a row."""
+        threshold = self.config.quarantine_mismatch
+        if not threshold or version <= self._mismatch_version:
+            return
+        self._mismatch_version = version
+        for sampler, mismatch in mismatch_by_sampler.items():
+            far = not math.isfinite(mismatch) or abs(mismatch) > threshold
+            streak = self._mismatch_streak[sampler] = self._mismatch_streak.get(sampler, 0) + 1 if far else 0
+            if streak >= self.config.quarantine_mismatch_steps:
+                steps = self.config.quarantine_mismatch_steps
+                self.quarantine(
+                    sampler.encode(),
+                    f"log-prob mismatch {mismatch:+.3f} nats/token beyond {threshold:g} for {steps} steps",
+                )
+
+    def quarantine(self, peer: bytes, reason: str) -> None:
+        """Give ``peer`` no more leases, and expire the ones it holds now so that their
+        tasks are re-issued to someone else."""
+        if peer in self._quarantined:
+            return
+        self._quarantined.add(peer)
+        self.counters["quarantined_samplers"] += 1
+        name = peer.decode(errors="replace")
+        self.ctx.log.warning("quarantined sampler %s: %s", name, reason)
+        self.ctx.ledger(ledger.Quarantined(sampler=name, reason=reason))
+        now = time.monotonic()
+        for held in self._leases.values():
+            if held.sampler == peer and not held.expiring:
+                held.deadline = now
+                heapq.heappush(self._deadlines, (now, held.lease_id))
+
+    # -- lease records (admission) ---------------------------------------------------
+
+    def admission_window(self) -> AdmissionWindow:
+        return AdmissionWindow(
+            incarnation=self._learner_incarnation,
+            newest=self._next_version,
+            oldest=self._next_version - self.job.staleness,
+            vocab_size=self._prompt_codec.vocab_size,
+        )
+
+    async def _serve_lease_queries(self) -> None:
+        while True:
+            for peer, message in await self._lease_queries.recv_many():
+                if not isinstance(message, LeaseQuery):
+                    continue
+                records = [lease.record for i in message.lease_ids if (lease := self._leases.get(i)) is not None]
+                reply = LeaseRecords(request_id=message.request_id, records=records, window=self.admission_window())
+                await self._lease_queries.send(peer, reply)
+
+    def _lease_record(self, lease_id: int, prompt: Prompt, attempt: int, peer: bytes) -> LeaseRecord:
+        try:
+            prompt_ids = self._prompt_codec.encode(prompt.text)
+        except (ValueError, KeyError) as exc:
+            # Every sampler's engine would fail the same way; the group is refused as a
+            # prompt mismatch instead of the PromptSource failing.
+            self.ctx.log.warning("task %s: the trusted tokenizer cannot encode its prompt: %s", prompt.task_id, exc)
+            prompt_ids = []
+        return LeaseRecord(
+            lease_id=lease_id,
+            task_id=prompt.task_id,
+            attempt=attempt,
+            sampler_id=peer.decode(errors="replace"),
+            token=secrets.token_bytes(16),
+            group_size=self.job.group_size,
+            max_new_tokens=self.job.max_new_tokens,
+            prompt=prompt.text,
+            answer=prompt.answer,
+            meta=msgspec.to_builtins(prompt.meta, enc_hook=str),  # plain values travel; others as text
+            prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+        )
+
+    def _may_lease_to(self, peer: bytes) -> bool:
+        """Active, not quarantined, and with weights whose work could still be trained."""
+        if peer in self._quarantined or not self.scheduler.is_active(peer.decode(errors="replace")):
+            return False
+        if self._installed.get(peer, -1) < self._next_version - self.job.staleness:
+            self.counters["leases_withheld_old_version"] += 1
+            return False
+        return True
 
     async def _expire_leases(self) -> None:
         while True:
@@ -430,39 +588,43 @@ class PromptSource(Actor):
             await self._wakeup.wait()
             self._wakeup.clear()
             for peer, credit in list(self._credits.items()):
-                if not self.scheduler.is_active(peer.decode(errors="replace")):
-                    continue  # parked: its credit is kept, not served
+                if credit <= 0 or not self._may_lease_to(peer):
+                    continue  # parked, quarantined or too old: its credit is kept, not served
                 while credit > 0 and self._inflight() < self._max_inflight:
                     item = self._next_prompt()
                     if item is None:
                         break
                     prompt, attempt = item
+                    lease_id = next(self._lease_ids)
                     lease = _Lease(
-                        lease_id=next(self._lease_ids),
+                        lease_id=lease_id,
                         prompt=prompt,
                         attempt=attempt,
                         sampler=peer,
                         deadline=time.monotonic() + self.config.lease_ttl_s,
+                        record=self._lease_record(lease_id, prompt, attempt, peer),
                     )
                     message = TaskLease(
                         lease_id=lease.lease_id,
                         task_id=prompt.task_id,
                         attempt=attempt,
                         prompt=prompt.text,
-                        answer=prompt.answer,
                         group_size=job.group_size,
                         ttl_s=self.config.lease_ttl_s,
                         temperature=job.temperature,
                         top_p=job.top_p,
                         max_new_tokens=job.max_new_tokens,
                         min_version=self._min_version(),
+                        token=lease.record.token,
                     )
+                    # Open before it is sent: its group may be looked up as soon as it is.
+                    self._leases[lease.lease_id] = lease
                     if not await self._tasks_ep.send(peer, message):
                         # The sampler is gone: put the task back, forget its credit.
+                        del self._leases[lease.lease_id]
                         self._retry.appendleft((prompt, attempt))
                         credit = 0
                         break
-                    self._leases[lease.lease_id] = lease
                     self.ctx.ledger(
                         ledger.Leased(
                             task=prompt.task_id,

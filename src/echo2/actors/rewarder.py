@@ -7,8 +7,16 @@ whose reward raised, timed out or returned a non-finite number is kept out of tr
 ``min_kept`` scored completions is forwarded as dropped so that the Buffer, the single
 accountant, closes its lease.
 
-Input: ``rollouts`` (PULL, bound; every Sampler connects) — ``RolloutGroup``.
-Output: ``scored`` (PUSH, to the Buffer) — ``ScoredGroup``.
+Admission (``echo2.actors.admission``): nothing a sampler sends is believed. For each
+batch of groups received the Rewarder asks the PromptSource for the open leases' records
+(``LeaseQuery`` on ``leases``), refuses a group that does not match its lease or is not
+well-formed for the model (``GroupRejected`` to the Buffer, which counts it and closes the
+lease), and scores the rest against the record's ``Prompt`` (answer and meta included),
+never the sampler's copy. The forwarded group carries the trusted prompt text.
+
+Input: ``rollouts`` (PULL, bound; every Sampler connects) — ``RolloutGroup``;
+``leases`` (DEALER, to the PromptSource) — ``LeaseRecords``.
+Output: ``scored`` (PUSH, to the Buffer) — ``ScoredGroup``, ``GroupRejected``.
 
 Backpressure: at most ``max_concurrent_groups`` groups are scored at once; beyond that the
 Rewarder stops reading, the PULL queue fills to its HWM and samplers block on send.
@@ -28,11 +36,22 @@ import math
 import time
 from typing import Annotated, ClassVar
 
+import msgspec
 import numpy as np
 from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.messages import RewarderStats, RolloutGroup, ScoredGroup
+from echo2.actors.admission import check_group, check_lease, trusted_prompt
+from echo2.messages import (
+    AdmissionWindow,
+    GroupRejected,
+    LeaseQuery,
+    LeaseRecord,
+    LeaseRecords,
+    RewarderStats,
+    RolloutGroup,
+    ScoredGroup,
+)
 from echo2.tasks.base import Prompt, load_job_task
 
 
@@ -47,6 +66,8 @@ class RewarderConfig(ActorConfig, frozen=True):
     """A group needs this many scored completions to be trainable (GRPO needs a baseline)."""
     max_stuck_threads: Annotated[int, Meta(ge=1)] = 16
     """Threads stuck in timed-out reward calls after which the pool is replaced."""
+    lease_lookup_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds to wait for the PromptSource's lease records before asking again."""
 
 
 class Rewarder(Actor):
@@ -55,6 +76,7 @@ class Rewarder(Actor):
     ports: ClassVar[dict[str, Port]] = {
         "rollouts": Port("pull", bind=True),
         "scored": Port("push", bind=False),
+        "leases": Port("dealer", bind=False),
     }
     config: RewarderConfig
 
@@ -66,7 +88,11 @@ class Rewarder(Actor):
         self._slots = asyncio.Semaphore(self.config.max_concurrent_groups)
         self._rollouts = ctx.open("rollouts")
         self._scored = ctx.open("scored")
-        self.counters: dict[str, int] = {"groups_scored": 0, "groups_dropped": 0, "items_scored": 0}
+        self._leases = ctx.open("leases")
+        self._query_ids = 0
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("groups_scored", "groups_dropped", "items_scored", "groups_rejected", "lease_lookup_retries"), 0
+        )
         self.item_errors: dict[str, int] = {}
 
     def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -88,21 +114,70 @@ class Rewarder(Actor):
     async def _serve(self) -> None:
         async with asyncio.TaskGroup() as group:
             while True:
-                for message in await self._rollouts.recv_many(self.config.max_concurrent_groups):
-                    if isinstance(message, RolloutGroup):
+                received = await self._rollouts.recv_many(self.config.max_concurrent_groups)
+                rollouts = [m for m in received if isinstance(m, RolloutGroup)]
+                if not rollouts:
+                    continue
+                records, window = await self._lookup(sorted({r.lease_id for r in rollouts}))
+                for rollout in rollouts:
+                    admitted = await self._admit(rollout, records.get(rollout.lease_id), window)
+                    if admitted is not None:
                         await self._slots.acquire()
-                        group.create_task(self._score_and_forward(message))
+                        group.create_task(self._score_and_forward(*admitted))
 
-    async def _score_and_forward(self, rollout: RolloutGroup) -> None:
+    async def _lookup(self, lease_ids: list[int]) -> tuple[dict[int, LeaseRecord], AdmissionWindow]:
+        """The PromptSource's records of these leases (absent: not open) and the window."""
+        self._query_ids += 1
+        request_id = self._query_ids
+        while True:
+            await self._leases.send(LeaseQuery(request_id=request_id, lease_ids=lease_ids))
+            try:
+                async with asyncio.timeout(self.config.lease_lookup_timeout_s):
+                    while True:
+                        reply = await self._leases.recv()
+                        if isinstance(reply, LeaseRecords) and reply.request_id == request_id:
+                            return {r.lease_id: r for r in reply.records}, reply.window
+            except TimeoutError:
+                self.counters["lease_lookup_retries"] += 1
+                self.ctx.log.warning("no lease records from the PromptSource in %.1f s; asking again",
+                                     self.config.lease_lookup_timeout_s)  # fmt: skip
+
+    async def _admit(
+        self, rollout: RolloutGroup, record: LeaseRecord | None, window: AdmissionWindow
+    ) -> tuple[RolloutGroup, LeaseRecord] | None:
+        """(the group with the trusted prompt, its record), or None when it was refused."""
+        rejection = check_lease(rollout, record)
+        holder = rejection is None
+        if record is not None and rejection is None:
+            rejection = check_group(rollout, record, window)
+        if rejection is None:
+            assert record is not None
+            return msgspec.structs.replace(rollout, prompt=record.prompt), record
+        reason, detail = rejection
+        self.counters["groups_rejected"] += 1
+        await self._scored.send(
+            GroupRejected(
+                lease_id=rollout.lease_id,
+                task_id=record.task_id if holder and record is not None else rollout.task_id,
+                attempt=record.attempt if holder and record is not None else rollout.attempt,
+                sampler_id=record.sampler_id if holder and record is not None else rollout.sampler_id,
+                version=rollout.version,
+                reason=reason,
+                holder=holder,
+                detail=detail,
+            )
+        )
+        return None
+
+    async def _score_and_forward(self, rollout: RolloutGroup, record: LeaseRecord) -> None:
         try:
-            scored = await self._score(rollout)
+            scored = await self._score(rollout, trusted_prompt(record))
             await self._scored.send(scored)
         finally:
             self._slots.release()
 
-    async def _score(self, rollout: RolloutGroup) -> ScoredGroup:
+    async def _score(self, rollout: RolloutGroup, prompt: Prompt) -> ScoredGroup:
         started = time.perf_counter()
-        prompt = Prompt(task_id=rollout.task_id, text=rollout.prompt, answer=rollout.answer)
         results = await self._score_group(prompt, rollout.texts)
         rewards = np.zeros(len(results), dtype=np.float32)
         keep = np.zeros(len(results), dtype=bool)

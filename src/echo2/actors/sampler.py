@@ -17,7 +17,12 @@ finished group, so it never holds more work than it can start soon; a slow Rewar
 the ``rollouts`` send block, which stops generation and with it new credit.
 
 Versions: a lease names ``min_version``; older weights would produce rollouts too stale
-to train, so the sampler waits for a newer install instead of generating.
+to train, so the sampler waits for a newer install instead of generating. Every
+``WorkRequest`` names the installed version, and each install is reported with one
+(``credits = 0``): the PromptSource leases nothing to a sampler too old to be trained from.
+
+Leases carry a random ``token`` that each ``RolloutGroup`` echoes (``lease_token``); the
+reference answer never reaches a sampler.
 
 Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the source.
 """
@@ -41,6 +46,7 @@ from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import TransportError
 from echo2.messages import (
     INSTALLED_TOPIC,
+    NO_VERSION,
     Hello,
     PolicyVersion,
     RolloutGroup,
@@ -149,6 +155,7 @@ class Sampler(Actor):
         self._weights_ready = asyncio.Event()
         self._ready: SnapshotAssembler | None = None
         self._installed: PolicyVersion | None = None
+        self._welcomed = False  # nothing but Hello goes on ``tasks`` before Welcome
         self.counters = dict.fromkeys(("groups_sent", "samples_generated", "tokens_generated", "installs"), 0)
         self.generate_s = 0.0
         self.wait_weights_s = 0.0
@@ -166,6 +173,7 @@ class Sampler(Actor):
                 break
         if not reply.accepted:
             raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
+        self._welcomed = True
 
     def statistics(self) -> SamplerStats:
         receiver = getattr(self, "_receiver", None)
@@ -199,7 +207,7 @@ class Sampler(Actor):
     async def _receive_leases(self) -> None:
         await self._handshake()
         self._owed += self.config.credits
-        await self._tasks.send(WorkRequest(sampler_id=self.name, credits=self.config.credits))
+        await self._tasks.send(self._work_request(self.config.credits))
         while True:
             for message in await self._tasks.recv_many():
                 if isinstance(message, TaskLease):
@@ -208,6 +216,15 @@ class Sampler(Actor):
                     self._have_work.set()
                     self._lease_arrived.set()
                     self._wake.set()
+
+    def _work_request(self, credits: int) -> WorkRequest:
+        installed = self._installed or NO_VERSION
+        return WorkRequest(
+            sampler_id=self.name,
+            credits=credits,
+            incarnation=installed.incarnation,
+            installed_version=installed.version,
+        )
 
     async def _receive_weights(self) -> None:
         await self._receiver.run()
@@ -234,6 +251,8 @@ class Sampler(Actor):
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
         await self._receiver.report_installed(installed, install_s)
+        if self._welcomed:
+            await self._tasks.send(self._work_request(0))  # the PromptSource may lease to us now
         await self.ctx.publish_telemetry(
             INSTALLED_TOPIC,
             WeightsInstalled(
@@ -310,7 +329,7 @@ class Sampler(Actor):
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
         self._owed += len(batch)
-        await self._tasks.send(WorkRequest(sampler_id=self.name, credits=len(batch)))
+        await self._tasks.send(self._work_request(len(batch)))
 
 
 def _params(lease: TaskLease) -> tuple[int, float, float, int]:
@@ -341,7 +360,6 @@ def rollout_group(
         incarnation=made_by.incarnation,
         version=made_by.version,
         prompt=lease.prompt,
-        answer=lease.answer,
         prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
         token_ids=np.concatenate([c.token_ids for c in completions]).astype(np.int32, copy=False),
         logprobs=np.concatenate([c.logprobs for c in completions]).astype(np.float32, copy=False),
@@ -349,6 +367,7 @@ def rollout_group(
         texts=[c.text for c in completions],
         finish_reasons=[c.finish_reason for c in completions],
         generate_s=generate_s,
+        lease_token=lease.token,
     )
 
 

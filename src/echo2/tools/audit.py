@@ -17,12 +17,21 @@ A resumed learner (``--resume``) logs where it restarted; trainings of any earli
 incarnation at or after that point are void (``voided_by_resume``) and must happen again
 (a resume past a damaged checkpoint restarts before the newest one).
 
-Violations:
-  lost            accepted, and none of the above
-  duplicated      trained more than once
-  unexpected      trained, but never leased
-  stale_trained   trained at learner version t from policy version v < t - S
-  late_accepted   accepted on a lease the Buffer had already declared expired
+Violations (each also counted per sampler in ``culprits``: the sampler the group was
+accepted from, else the last one its task was leased to, else the one the learner names):
+  lost                accepted, and none of the above
+  duplicated          trained more than once
+  unexpected          trained, but never leased
+  stale_trained       trained at learner version t from policy version v < t - S
+  impossible_version  trained at learner version t from a version v > t (no learner
+                      publishes a version before reaching it) or v < 0
+  late_accepted       accepted on a lease the Buffer had already declared expired
+
+"Trained" is the learner's ``trained`` event, written only after the step committed
+(``echo2.training.accounting``): a step that crashed trains nothing. A run whose
+``status.json`` says it failed (exit 1, or 74: storage) never audits OK (``run_failed``).
+Rejections at admission (``rejected:<reason>``) are listed per sampler, and so are
+quarantined samplers; neither is a violation (they are the defence working).
 """
 
 from __future__ import annotations
@@ -39,7 +48,10 @@ from typing import assert_never
 from echo2 import ledger
 from echo2.rundir import RunDir
 
-VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "late_accepted")
+VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "impossible_version", "late_accepted")
+FAILED_EXIT_CODES = (1, 74)
+"""``status.json`` exit codes of a run that failed (``echo2.launch.exits``: FAILED, STORAGE);
+a deadline or a signal stops a run cleanly, and its accounting still has to hold."""
 
 
 @dataclass
@@ -58,7 +70,16 @@ class AuditReport:
     duplicated: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     stale_trained: list[str] = field(default_factory=list)
+    impossible_version: list[str] = field(default_factory=list)
     late_accepted: list[str] = field(default_factory=list)
+    culprits: dict[str, dict[str, int]] = field(default_factory=dict)
+    """violation -> sampler -> tasks (``?`` when no event names one)."""
+    rejected_by_sampler: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Admission rejections, sampler -> reason -> groups."""
+    quarantined: dict[str, str] = field(default_factory=dict)
+    """Samplers given no more leases -> why."""
+    run_failed: str = ""
+    """Why ``status.json`` says the run failed ("" when it does not)."""
     staleness_budget: int | None = None
     identity_holds: bool = True
     unreadable_lines: list[str] = field(default_factory=list)
@@ -66,7 +87,22 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return self.identity_holds and not any(getattr(self, name) for name in VIOLATIONS)
+        return self.identity_holds and not self.run_failed and not any(getattr(self, name) for name in VIOLATIONS)
+
+
+def _run_failed(run_dirs: Sequence[Path]) -> str:
+    for run_dir in run_dirs:
+        path = RunDir(run_dir).status_path
+        if not path.exists():
+            continue
+        try:
+            status = json.loads(path.read_text())
+            code = int(status.get("exit_code", 0))
+        except (ValueError, TypeError, AttributeError):
+            return f"{path}: unreadable"
+        if code in FAILED_EXIT_CODES:
+            return f"{path}: exit {code}: {status.get('reason', '')}"
+    return ""
 
 
 def _budget(run_dirs: Sequence[Path]) -> int | None:
@@ -78,11 +114,13 @@ def _budget(run_dirs: Sequence[Path]) -> int | None:
 
 
 def audit(run_dirs: Sequence[Path]) -> AuditReport:
-    report = AuditReport(staleness_budget=_budget(run_dirs))
+    report = AuditReport(staleness_budget=_budget(run_dirs), run_failed=_run_failed(run_dirs))
     contents = ledger.read(run_dirs)
     report.unreadable_lines = contents.unknown_lines
     leased: set[str] = set()
     accepted: dict[str, int] = {}  # task -> lease
+    sampler_of: dict[str, str] = {}  # task -> the sampler behind it (accepted from, else leased to)
+    trained_by: dict[str, str] = {}  # task -> sampler the learner names
     expired_leases: set[int] = set()
     trained: Counter[str] = Counter()
     dropped: dict[str, str] = {}
@@ -101,12 +139,18 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
         match e:
             case ledger.Leased():
                 leased.add(e.task)
+                if e.task not in accepted:
+                    sampler_of[e.task] = e.sampler
                 report.leases_issued += 1
             case ledger.Accepted():
                 accepted[e.task] = e.lease
+                sampler_of[e.task] = e.sampler
                 accepted_order.append((e.task, e.lease))
             case ledger.Rejected():
                 rejected[e.label] += 1
+                if e.outcome == "rejected":
+                    by_reason = report.rejected_by_sampler.setdefault(e.sampler or "?", {})
+                    by_reason[e.reason] = by_reason.get(e.reason, 0) + 1
             case ledger.LeaseExpired():
                 expired_leases.add(e.lease)
             case ledger.Dropped():
@@ -121,12 +165,18 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
                     report.voided_by_resume += 1
                     continue
                 trained[e.task] += 1
+                if e.sampler:
+                    trained_by.setdefault(e.task, e.sampler)
+                if e.version > e.learner_version or e.version < 0:
+                    report.impossible_version.append(e.task)
                 last_trained_version = max(last_trained_version, e.learner_version)
                 budget = report.staleness_budget
                 if budget is not None and e.learner_version - e.version > budget:
                     report.stale_trained.append(e.task)
             case ledger.TaskAbandoned():
                 report.abandoned += 1
+            case ledger.Quarantined():
+                report.quarantined[e.sampler] = e.reason
             case ledger.Submitted() | ledger.LeaseClosed() | ledger.Requeued() | ledger.Resumed():
                 pass  # the trail around the decisions above; they settle the accounting
             case _:
@@ -154,6 +204,11 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     report.lost.sort()
     # A group dropped must never have been trained as well.
     report.identity_holds = not (set(trained) & set(dropped))
+    for name in VIOLATIONS:
+        tasks = getattr(report, name)
+        if tasks:
+            counts = Counter(sampler_of.get(t) or trained_by.get(t) or "?" for t in tasks)
+            report.culprits[name] = dict(sorted(counts.items()))
     return report
 
 
@@ -168,7 +223,14 @@ def _summary_lines(report: AuditReport) -> list[str]:
     ]
     for name in VIOLATIONS:
         items = getattr(report, name)
-        lines.append(f"{name}: {len(items)}" + (f" (e.g. {', '.join(items[:5])})" if items else ""))
+        culprits = f" by sampler {report.culprits[name]}" if name in report.culprits else ""
+        lines.append(f"{name}: {len(items)}" + (f" (e.g. {', '.join(items[:5])}){culprits}" if items else ""))
+    if report.rejected_by_sampler:
+        lines.append(f"rejected at admission, by sampler: {report.rejected_by_sampler}")
+    for sampler, why in sorted(report.quarantined.items()):
+        lines.append(f"quarantined: {sampler}: {why}")
+    if report.run_failed:
+        lines.append(f"run failed: {report.run_failed}")
     if report.unreadable_lines:
         lines.append(f"unreadable ledger lines: {len(report.unreadable_lines)} (e.g. {report.unreadable_lines[0]})")
     lines.append("accounting identity: " + ("holds" if report.identity_holds else "VIOLATED"))

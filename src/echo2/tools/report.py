@@ -21,7 +21,9 @@ Reads what ``python -m echo2.launch`` leaves in a run directory and writes ``RUN
   "activation"`` records): the active set over time (samplers, their measured rollouts/s
   against ``mu_min`` and the target), dollars per learner step, and the learner's bubble
   ratio per step, on one clock (unix seconds of the records);
-* ``report.md`` — a table of the headline numbers and links to the plots.
+* ``report.md`` — a table of the headline numbers and links to the plots, and, when the
+  ledger records any, the samplers quarantined and the groups refused at admission, by
+  sampler and reason.
 
 Inputs are read forgivingly, since a run can be killed mid-write: the step records are those
 of whichever ``metrics/*.jsonl`` holds ``"kind": "step"`` lines (the learner's), lines that do
@@ -581,7 +583,30 @@ _SECTIONS = {
 }
 
 
-def render_markdown(data: RunData, written: Sequence[Path], capacity_notes: Sequence[str] = ()) -> str:
+def admission_notes(run_dir: Path) -> list[str]:
+    """One line per quarantined sampler, then one per sampler with groups refused at
+    admission (the ledger's ``quarantined`` and ``rejected`` events)."""
+    from collections import Counter
+
+    from echo2 import ledger
+
+    quarantined: dict[str, str] = {}
+    refused: dict[str, Counter[str]] = {}
+    for event in ledger.read([run_dir]).events:
+        if isinstance(event, ledger.Quarantined):
+            quarantined.setdefault(event.sampler, event.reason)
+        elif isinstance(event, ledger.Rejected) and event.outcome == "rejected":
+            refused.setdefault(event.sampler or "?", Counter())[event.reason] += 1
+    lines = [f"quarantined `{sampler}`: {why}" for sampler, why in sorted(quarantined.items())]
+    for sampler, reasons in sorted(refused.items()):
+        detail = ", ".join(f"{reason} {n}" for reason, n in reasons.most_common())
+        lines.append(f"refused from `{sampler}`: {sum(reasons.values())} groups ({detail})")
+    return lines
+
+
+def render_markdown(
+    data: RunData, written: Sequence[Path], capacity_notes: Sequence[str] = (), admission: Sequence[str] = ()
+) -> str:
     lines = [f"# Run report: {data.run_id}", "", f"Run directory: `{data.run_dir}`", ""]
     if data.actor is not None:
         lines += [f"Step records: `{data.step_file}` ({len(data.steps)} steps).", ""]
@@ -607,6 +632,10 @@ def render_markdown(data: RunData, written: Sequence[Path], capacity_notes: Sequ
         lines += ["", f"![Capacity]({CAPACITY_PLOT})", ""]
     if BROADCAST_PLOT in names:
         lines += ["## Weight broadcast: T_bcast per version", "", f"![T_bcast]({BROADCAST_PLOT})", ""]
+    if admission:
+        lines += ["## Untrusted samplers: quarantine and admission", ""]
+        lines += [f"- {note}" for note in admission]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -646,7 +675,8 @@ def write_report(run_dir: Path, *, window: int | None = None) -> list[Path]:
     else:
         broadcast.unlink(missing_ok=True)
     markdown = out / "report.md"
-    markdown.write_text(render_markdown(data, written, capacity_notes(activations)), encoding="utf-8")
+    notes = admission_notes(run.root)
+    markdown.write_text(render_markdown(data, written, capacity_notes(activations), notes), encoding="utf-8")
     written.append(markdown)
     return written
 

@@ -52,7 +52,11 @@ class TrainingAccount:
             self.rollouts_trained += int(np.count_nonzero(scored.keep))
             ledger(
                 events.Trained(
-                    task=g.task_id, version=g.version, learner_version=learner_version, incarnation=incarnation
+                    task=g.task_id,
+                    version=g.version,
+                    learner_version=learner_version,
+                    incarnation=incarnation,
+                    sampler=g.sampler_id,
                 )
             )
         return lags

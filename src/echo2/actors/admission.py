@@ -1,0 +1,187 @@
+"""Admission of untrusted work: every check a rollout group passes before it is scored.
+
+A sampler may be anyone's machine (ECHO-2's rented or volunteered GPUs), so nothing it
+sends is believed: the trusted side keeps its own record of every open lease
+(``LeaseRecord``: the prompt, its reference answer and metadata, the trusted tokenization,
+the holder and a random token) and :func:`check_group` compares a group against it. The
+reward is computed from the record's ``Prompt`` (:func:`trusted_prompt`), never from what
+the sampler sent, and the learner trains on the trusted prompt ids (a group whose
+``prompt_token_ids`` differ is refused).
+
+Where the records live, and why there: the PromptSource holds the open leases (it must, to
+re-issue them), so it answers ``LeaseQuery`` on its ``leases`` channel and each Rewarder
+asks for the records of the groups it received, in one query per received batch. Samplers
+round-robin over Rewarders, so pushing records to "the" Rewarder would need every record
+sent to every Rewarder (and a record racing its own group); a lookup by id works for any
+number of Rewarders in any process, the record is bounded by the open leases, and a
+lease's record disappears when the lease closes, so a replayed or duplicated group finds
+no lease (``unknown_lease``). The reply also carries the ``AdmissionWindow``.
+
+A group that echoes its lease's token is the holder's: its rejection closes the lease at
+once (``LeaseClosed(outcome="rejected")``, re-issued) and counts toward quarantining the
+holder (:class:`RejectionTracker`). A group without the right token proves nothing about
+who sent it (``sampler_id`` is self-claimed without CURVE), so it is counted under the
+name it claims, and neither touches the lease nor quarantines anyone: otherwise one forged
+group could cancel, or one forger could get quarantined, an honest sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from echo2.job import JobConfig
+from echo2.messages import AdmissionWindow, LeaseRecord, RejectReason, RolloutGroup
+from echo2.tasks.base import Prompt
+
+LOGPROB_TOLERANCE = 1e-3
+"""A log-probability may exceed 0 by this much (float32 rounding of log-softmax)."""
+
+QUARANTINE_EXEMPT: frozenset[RejectReason] = frozenset({"stale_version"})
+"""Rejections that do not count toward quarantine: an honest sampler on a slow link makes
+stale work now and then (and a sampler that stays too old is given no leases instead)."""
+
+
+@dataclass(frozen=True)
+class PromptCodec:
+    """The trusted side's tokenization of prompts and the model's vocabulary size."""
+
+    encode: Callable[[str], list[int]]
+    vocab_size: int
+
+
+def trusted_prompt_codec(job: JobConfig) -> PromptCodec:
+    """The job's prompt tokenization and vocabulary, from the model's files (no weights loaded).
+
+    The built-in tiny model uses the character tokenizer; a Hugging Face model directory
+    its tokenizer (with its chat template, as the engines do by default). ``vocab_size`` is
+    the model config's (the logits' width: an id at or past it would index past the
+    embedding), read from ``config.json``.
+    """
+    from echo2.models import CharTokenizer, default_checkpoint_dir
+
+    if not job.model:
+        directory = default_checkpoint_dir()
+    elif job.model.lower() == "smollm2":
+        from echo2.models import hf as hf_models
+
+        directory = hf_models.smollm2_dir()
+    else:
+        directory = Path(job.model).expanduser()
+    config = json.loads((directory / "config.json").read_text())
+    vocab_size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+    if "model_type" not in config:  # a tiny-model checkpoint
+        return PromptCodec(CharTokenizer().encode_prompt, vocab_size)
+    from transformers import AutoTokenizer
+
+    from echo2.models.policy import HFTokenizer
+
+    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(directory)))
+    return PromptCodec(tokenizer.encode_prompt, vocab_size or tokenizer.vocab_size)
+
+
+def trusted_prompt(record: LeaseRecord) -> Prompt:
+    """The ``Prompt`` a reward is computed from: the trusted record's, whole."""
+    return Prompt(task_id=record.task_id, text=record.prompt, answer=record.answer, meta=dict(record.meta))
+
+
+Rejection = tuple[RejectReason, str]
+"""(reason, detail) of a refused group."""
+
+
+def check_lease(group: RolloutGroup, record: LeaseRecord | None) -> Rejection | None:
+    """Is ``group`` the holder's answer to an open lease? None when it is."""
+    if record is None:
+        return "unknown_lease", f"lease {group.lease_id} is not open"
+    if not isinstance(group.lease_token, bytes) or group.lease_token != record.token:
+        return "wrong_token", "the lease's token was not echoed"
+    return None
+
+
+def check_group(group: RolloutGroup, record: LeaseRecord, window: AdmissionWindow) -> Rejection | None:
+    """Everything about a holder's group that must hold before it is scored; None if it does.
+
+    Never raises on any decoded ``RolloutGroup``: arrays are checked for dtype and rank
+    before their values are read.
+    """
+    if group.task_id != record.task_id or group.attempt != record.attempt or group.sampler_id != record.sampler_id:
+        return "wrong_task", f"group names ({group.task_id}, {group.attempt}, {group.sampler_id})"
+    if group.incarnation > window.incarnation or group.version < 0 or group.version > window.newest:
+        return (
+            "unpublished_version",
+            f"({group.incarnation}, {group.version}) newer than ({window.incarnation}, {window.newest}) or negative",
+        )
+    if group.incarnation == window.incarnation and group.version < window.oldest:
+        return "stale_version", f"version {group.version} < {window.oldest}"
+    shape = _check_arrays(group, record.group_size)
+    if shape is not None:
+        return shape
+    offsets = group.offsets.astype(np.int64)
+    lengths = np.diff(offsets)
+    if int(lengths.max(initial=0)) > record.max_new_tokens:
+        return "too_long", f"a completion of {int(lengths.max())} tokens > max_new_tokens {record.max_new_tokens}"
+    tokens = group.token_ids
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= window.vocab_size):
+        return "token_out_of_vocab", f"token ids outside [0, {window.vocab_size})"
+    logprobs = group.logprobs
+    if not bool(np.isfinite(logprobs).all()):
+        return "bad_logprobs", "non-finite log-probability"
+    if logprobs.size and float(logprobs.max()) > LOGPROB_TOLERANCE:
+        return "bad_logprobs", f"log-probability {float(logprobs.max()):.4g} > 0"
+    trusted = record.prompt_token_ids
+    if group.prompt_token_ids.shape != trusted.shape or not np.array_equal(group.prompt_token_ids, trusted):
+        return "prompt_mismatch", "prompt token ids differ from the trusted tokenization"
+    return None
+
+
+def _check_arrays(group: RolloutGroup, group_size: int) -> Rejection | None:
+    arrays = {
+        "prompt_token_ids": group.prompt_token_ids,
+        "token_ids": group.token_ids,
+        "logprobs": group.logprobs,
+        "offsets": group.offsets,
+    }
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray) or array.ndim != 1:
+            return "bad_shape", f"{name} is not a 1-d array"
+    for name in ("prompt_token_ids", "token_ids", "offsets"):
+        if arrays[name].dtype.kind not in "iu":
+            return "bad_shape", f"{name} has dtype {arrays[name].dtype}, not an integer"
+    if group.logprobs.dtype.kind != "f":
+        return "bad_shape", f"logprobs has dtype {group.logprobs.dtype}, not a float"
+    if group.group_size != group_size:
+        return "wrong_group_size", f"{group.group_size} completions, lease says {group_size}"
+    if len(group.texts) != group_size or len(group.finish_reasons) != group_size:
+        return "bad_shape", "texts or finish_reasons do not hold one entry per completion"
+    offsets = group.offsets.astype(np.int64)
+    if offsets[0] != 0 or bool((np.diff(offsets) < 0).any()) or offsets[-1] != group.token_ids.size:
+        return "bad_shape", "offsets are not monotone from 0 to len(token_ids)"
+    if group.logprobs.size != group.token_ids.size:
+        return "bad_shape", "not one log-probability per generated token"
+    if group.prompt_token_ids.size == 0:
+        return "bad_shape", "empty prompt"
+    return None
+
+
+class RejectionTracker:
+    """Counts each sampler's admission rejections in a sliding window; says when one has
+    had ``limit`` within ``window_s`` seconds (the quarantine rule)."""
+
+    def __init__(self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self._clock = limit, window_s, clock
+        self._times: dict[str, deque[float]] = {}
+
+    def add(self, sampler: str) -> bool:
+        """Count one rejection of ``sampler``; True when it reaches the limit in the window."""
+        now = self._clock()
+        times = self._times.setdefault(sampler, deque())
+        times.append(now)
+        while times and times[0] < now - self.window_s:
+            times.popleft()
+        return len(times) >= self.limit
