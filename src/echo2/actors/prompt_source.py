@@ -59,6 +59,7 @@ from echo2.messages import (
     Hello,
     LearnerProgress,
     LeaseClosed,
+    ModelIdentity,
     PromptSourceStats,
     TaskLease,
     WeightsInstalled,
@@ -67,6 +68,8 @@ from echo2.messages import (
 )
 from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task
+from echo2.transport import SocketOptions
+from echo2.transport.peers import Claimed, PeerTable, Refusal
 
 
 class PromptSourceConfig(ActorConfig, frozen=True):
@@ -182,11 +185,21 @@ class PromptSource(Actor):
         )
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
+        self._refused: dict[str, int] = {}
+        self._unwelcomed_dropped: dict[str, int] = {}
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self.setup_state()
         self._tasks_ep = ctx.open("tasks")
+        # A refused name is retried after one heartbeat timeout: by then ZeroMQ has dropped
+        # a connection that went silent, and the name is free (echo2.transport.peers).
+        self._peers = PeerTable(
+            self._tasks_ep, server_id=self.name, retry_after_s=SocketOptions().heartbeat_timeout_ms / 1000
+        )
+        self._model = await asyncio.to_thread(_job_model_identity, self.job.model)
+        if self._model is None:
+            ctx.log.warning("the job's model %r cannot be read here: samplers' models are not checked", self.job.model)
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
         self._telemetry = ctx.open("telemetry", subscribe=[HEARTBEAT_TOPIC, INSTALLED_TOPIC])
@@ -248,6 +261,8 @@ class PromptSource(Actor):
             inflight=self._inflight(),
             active_samplers=len(self._decision.active) if self._decision else 0,
             dollars_spent=self.dollars_spent,
+            refused=dict(self._refused),
+            unwelcomed_dropped=dict(self._unwelcomed_dropped),
         )
 
     def _inflight(self) -> int:
@@ -316,35 +331,63 @@ class PromptSource(Actor):
     async def _serve_samplers(self) -> None:
         while True:
             for peer, message in await self._tasks_ep.recv_many():
-                if isinstance(message, WorkRequest):
+                if isinstance(message, Hello):
+                    await self._greet(peer, message)
+                elif self._peers.name_of(peer) is None:
+                    # Not welcomed (never said Hello, refused, or replaced by its restart):
+                    # nothing it sends is served.
+                    kind = type(message).__name__
+                    self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
+                elif isinstance(message, WorkRequest):
                     self._credits[peer] = self._credits.get(peer, 0) + max(0, message.credits)
                     self._wakeup.set()
-                elif isinstance(message, Hello):
-                    await self._greet(peer, message)
 
     async def _greet(self, peer: bytes, hello: Hello) -> None:
-        accepted = hello.protocol_version == PROTOCOL_VERSION
-        reason = (
-            ""
-            if accepted
-            else (f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})")
-        )
-        if not accepted:
-            self.counters["refused_peers"] += 1
-            self.ctx.log.warning("refused sampler %s: %s", hello.peer_id, reason)
+        """Welcome a sampler under its name, or refuse it (``echo2.transport.peers``)."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            outcome: Claimed | Refusal = Refusal(
+                "protocol_version",
+                f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})",
+            )
         else:
-            # A (re)connecting sampler starts with no credit, and whatever it held before a
-            # restart is gone: expire its leases now instead of waiting for their deadlines.
-            self._credits[peer] = 0
-            now = time.monotonic()
-            held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
-            for lease in held:
-                lease.deadline = now
-                heapq.heappush(self._deadlines, (now, lease.lease_id))
-            if held:
-                self.counters["leases_of_restarted_samplers"] += len(held)
-                self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
-        await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=accepted, reason=reason))
+            outcome = await self._peers.claim(peer, hello.peer_id)
+        if isinstance(outcome, Refusal):
+            self.counters["refused_peers"] += 1
+            self._refused[outcome.reason] = self._refused.get(outcome.reason, 0) + 1
+            self._credits.pop(peer, None)  # a connection refused now keeps nothing it had
+            if self._peers.name_of(peer) is not None:
+                self._peers.release(peer)
+            self.ctx.log.warning("refused sampler %s (%r): %s", hello.peer_id, peer, outcome.message)
+            welcome = Welcome(
+                server_id=self.name,
+                accepted=False,
+                reason=outcome.message,
+                refusal=outcome.reason,
+                retry_after_s=outcome.retry_after_s,
+            )
+            await self._tasks_ep.send(peer, welcome)
+            return
+        # A (re)connecting sampler starts with no credit, and whatever it held before a
+        # restart (on this connection or the one it replaces) is gone: expire its leases now
+        # instead of waiting for their deadlines.
+        self._credits[peer] = 0
+        previous = {peer} if outcome.replaced is None else {peer, outcome.replaced}
+        if outcome.replaced is not None:
+            self._credits.pop(outcome.replaced, None)
+        now = time.monotonic()
+        held = [lease for lease in self._leases.values() if lease.sampler in previous and not lease.expiring]
+        for lease in held:
+            lease.deadline = now
+            heapq.heappush(self._deadlines, (now, lease.lease_id))
+        if held:
+            self.counters["leases_of_restarted_samplers"] += len(held)
+            self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
+        await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=True, model=self._model))
+
+    def _sampler_name(self, peer: bytes) -> str:
+        """The name a welcomed connection holds (its routing id is per connection)."""
+        name = self._peers.name_of(peer)
+        return name if name is not None else peer.decode(errors="replace")
 
     async def _serve_completions(self) -> None:
         while True:
@@ -427,7 +470,7 @@ class PromptSource(Actor):
             await self._wakeup.wait()
             self._wakeup.clear()
             for peer, credit in list(self._credits.items()):
-                if not self.scheduler.is_active(peer.decode(errors="replace")):
+                if not self.scheduler.is_active(self._sampler_name(peer)):
                     continue  # parked: its credit is kept, not served
                 while credit > 0 and self._inflight() < self._max_inflight:
                     item = self._next_prompt()
@@ -465,7 +508,7 @@ class PromptSource(Actor):
                             task=prompt.task_id,
                             lease=lease.lease_id,
                             attempt=attempt,
-                            sampler=peer.decode(errors="replace"),
+                            sampler=self._sampler_name(peer),
                         )
                     )
                     heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
@@ -474,3 +517,16 @@ class PromptSource(Actor):
                         self.counters["leases_reissued"] += 1
                     credit -= 1
                 self._credits[peer] = credit
+
+
+def _job_model_identity(spec: str) -> ModelIdentity | None:
+    """What every sampler must serve: the identity of the job's model (None when the model
+    cannot be read here, e.g. a Hugging Face model without the ``hf`` extra: not checked)."""
+    try:
+        from echo2.models.identity import model_identity
+    except ImportError:
+        return None
+    try:
+        return model_identity(spec)
+    except (ImportError, OSError, ValueError):
+        return None

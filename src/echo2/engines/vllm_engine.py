@@ -41,6 +41,7 @@ from echo2.engines.base import (
     TensorLayout,
     check_generate_args,
 )
+from echo2.messages import ModelIdentity
 
 # safetensors header dtype -> the numpy dtype the tensor travels as (bf16 as raw uint16)
 _ST_TO_WIRE = {"F32": "float32", "F16": "float16", "BF16": "uint16"}
@@ -281,6 +282,11 @@ class VLLMEngine(Engine):
             llm.update_weights(weights)
         finally:
             llm.finish_weight_update()
+
+    def model_identity(self) -> ModelIdentity:
+        from echo2.models.identity import identity_of, read_config
+
+        return identity_of(self._directory.name, read_config(self._directory), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)
