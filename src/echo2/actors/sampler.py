@@ -36,7 +36,7 @@ import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import ModelMismatch, TransportError
 from echo2.messages import (
@@ -210,10 +210,15 @@ class Sampler(Actor):
     # -- loops -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        await run_until_stopped(self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate())
+        # Welcomed first, alone: a refusal or a model mismatch fails the actor with its own
+        # one-line error, and a sampler that is not welcomed subscribes to nothing.
+        welcomed, _ = await until_stopping(self.ctx.stopping, self._handshake())
+        if welcomed:
+            await run_until_stopped(
+                self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate()
+            )
 
     async def _receive_leases(self) -> None:
-        await self._handshake()
         self._owed += self.config.credits
         await self._tasks.send(WorkRequest(sampler_id=self.name, credits=self.config.credits))
         while True:

@@ -1,0 +1,375 @@
+"""Who a peer is: routing ids per connection, names bound per connection, the model a worker
+must serve (``echo2.transport.peers``, ``echo2.models.identity``).
+
+The attacker in these tests is a raw DEALER that knows what an outsider can know: the name
+of a live sampler, and (worst case) its routing id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from echo2.actor import Actor, PortAddresses
+from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
+from echo2.actors.sampler import Sampler, SamplerConfig, check_model
+from echo2.errors import ActorFailed, ModelMismatch
+from echo2.job import JobConfig
+from echo2.messages import (
+    AnyMessage,
+    ChunkRequest,
+    ExpireLease,
+    Hello,
+    ModelIdentity,
+    Probe,
+    TaskLease,
+    WeightSubscribe,
+    Welcome,
+    WorkRequest,
+)
+from echo2.models.identity import model_identity
+from echo2.runtime import ProcessRuntime
+from echo2.tools.keys import main as keys_main
+from echo2.transport import DealerEndpoint, Transport
+from echo2.transport.auth import CurveClient, CurveServer, load_keypair, load_public_keys
+from echo2.transport.codec import Codec
+from echo2.transport.peers import Claimed, PeerTable, Refusal, connection_routing_id
+from echo2.weights import WeightBroadcaster
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _addresses(actor: Actor, prefix: str, tcp: frozenset[str] = frozenset()) -> dict[str, PortAddresses]:
+    """Binders bind inproc://prefix/port (tcp on loopback for ports in ``tcp``)."""
+    out = {}
+    for port, spec in actor.ports.items():
+        if spec.bind:
+            url = "tcp://127.0.0.1:0" if port in tcp else f"inproc://{prefix}/{port}"
+            out[port] = PortAddresses(bind=(url,))
+        else:
+            out[port] = PortAddresses(connect=(f"inproc://{prefix}/peer-{port}",))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def running(actor: Actor, transport: Transport, tcp: frozenset[str] = frozenset()) -> AsyncIterator[str]:
+    prefix = f"id-{actor.name}-{id(actor):x}"
+    addresses = {actor.name: _addresses(actor, prefix, tcp)}
+    runtime = ProcessRuntime([actor], addresses, transport=transport, drain_timeout_s=2.0)
+    async with asyncio.TaskGroup() as group:
+        group.create_task(runtime.run())
+        await runtime.wait_ready()
+        try:
+            yield prefix
+        finally:
+            runtime.request_stop("test finished")
+
+
+async def _hello(dealer: DealerEndpoint, name: str) -> Welcome:
+    await dealer.send(Hello(peer_id=name, role="sampler"))
+    while True:
+        reply = await dealer.recv()
+        if isinstance(reply, Welcome):
+            return reply
+
+
+async def _until(condition) -> None:  # type: ignore[no-untyped-def]
+    """Wait for a condition on an actor's state that its own loop updates."""
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+# -- the libzmq abort ---------------------------------------------------------------------
+
+# One echo2 ROUTER (the PromptSource's and the WeightPublisher's are opened the same way):
+# each message from the first peer that said Hello is answered with a burst of chunks to it,
+# so that traffic is in flight to that connection while others connect; Hello("done") ends.
+_SERVER = textwrap.dedent(
+    """
+    import asyncio
+    import numpy as np
+    from echo2.messages import Hello, WeightChunk, Welcome
+    from echo2.transport import Transport
+
+    async def main():
+        async with Transport() as transport:
+            router = transport.router(name="server", bind=["tcp://127.0.0.1:0"])
+            print(router.endpoints[0], flush=True)
+            chunk = WeightChunk(incarnation=0, version=0, index=0, data=np.zeros(8192, np.uint8))
+            honest = None
+            while True:
+                for peer, message in await router.recv_many():
+                    if honest is None:
+                        honest = peer
+                    if peer != honest:
+                        continue
+                    if isinstance(message, Hello) and message.peer_id == "done":
+                        await router.send(peer, Welcome(server_id="done", accepted=True))
+                        return
+                    for _ in range(64):
+                        await router.send(peer, chunk)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_client_presenting_a_live_peers_routing_id_neither_crashes_nor_evicts_it() -> None:
+    """With ROUTER_HANDOVER (echo2 before) this aborted the server process
+    (``Assertion failed: !_io_error``) or cut the honest peer off."""
+    codec = Codec(AnyMessage)
+    hello = codec.encode(Hello(peer_id="sampler-0", role="sampler"))
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    context = zmq.Context()
+    sockets: list[zmq.Socket] = []
+
+    def dealer(routing_id: bytes) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.setsockopt(zmq.RCVTIMEO, 20_000)
+        sock.connect(url)
+        sockets.append(sock)
+        return sock
+
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().strip()
+        routing_id = connection_routing_id("sampler-0")
+        honest = dealer(routing_id)
+        honest.send_multipart(hello)
+        honest.recv_multipart()  # a burst started: the server knows the honest peer
+        received = 1
+        for _ in range(400):  # connect with the same id, speak, vanish; bursts in flight
+            attacker = dealer(routing_id)
+            attacker.send_multipart(hello)
+            honest.send_multipart(hello)
+            for _ in range(64):
+                honest.recv_multipart()
+                received += 1
+            attacker.close()
+            sockets.remove(attacker)
+            assert server.poll() is None, f"the server process died (exit {server.returncode})"
+        honest.send_multipart(codec.encode(Hello(peer_id="done", role="sampler")))
+        while not isinstance(codec.decode(honest.recv_multipart(copy=False)), Welcome):
+            received += 1
+        assert received >= 400 * 64  # every burst reached the honest peer
+        assert server.wait(timeout=20) == 0
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+# -- PromptSource: names, duplicates, restarts, refused peers ------------------------------
+
+
+async def test_a_live_duplicate_is_refused_and_served_nothing_while_the_honest_sampler_trains_on(
+    transport: Transport,
+) -> None:
+    source = PromptSource("ps", job=JobConfig(groups_per_step=8, staleness=1))
+    async with running(source, transport) as p:
+        url = f"inproc://{p}/tasks"
+        honest_id = connection_routing_id("s0")
+        honest = transport.dealer(name="honest", connect=[url], identity=honest_id)
+        same_id = transport.dealer(name="same-id", connect=[url], identity=honest_id)
+        other_id = transport.dealer(name="other-id", connect=[url], identity=connection_routing_id("s0"))
+        try:
+            welcome = await _hello(honest, "s0")
+            assert welcome.accepted and welcome.model == model_identity("")
+
+            # The same routing id on a second connection: ignored by the ROUTER itself.
+            await same_id.send(Hello(peer_id="s0", role="sampler"))
+            await same_id.send(WorkRequest(sampler_id="s0", credits=5))
+            # Another routing id claiming the live name: refused, with a reason naming it.
+            refused = await _hello(other_id, "s0")
+            assert not refused.accepted and refused.refusal == "name_in_use"
+            assert "'s0'" in refused.reason and refused.retry_after_s > 0
+            for _ in range(3):  # ... and what it keeps sending is dropped unserved
+                await other_id.send(WorkRequest(sampler_id="s0", credits=5))
+            await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 3)
+
+            await honest.send(WorkRequest(sampler_id="s0", credits=2))
+            # The refusal came after a Probe to the honest connection (still up); then leases.
+            assert isinstance(await honest.recv(), Probe)
+            leases = [await honest.recv(), await honest.recv()]
+            assert all(isinstance(lease, TaskLease) for lease in leases)
+            stats = source.statistics()
+            assert stats.leases_issued == 2  # all to the honest sampler
+            assert stats.refused == {"name_in_use": 1}
+            assert same_id.statistics().received == 0
+            assert other_id.statistics().received == 1  # the refusal, nothing else
+        finally:
+            for endpoint in (honest, same_id, other_id):
+                endpoint.close()
+
+
+async def test_a_restarted_sampler_takes_its_name_back_and_its_old_leases_expire(transport: Transport) -> None:
+    source = PromptSource("ps", PromptSourceConfig(expiry_check_s=0.02), JobConfig(groups_per_step=4))
+    async with running(source, transport, tcp=frozenset({"tasks"})) as p:
+        url = source._tasks_ep.endpoints[0]
+        monitor = source._tasks_ep._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        buffer_control = transport.pull(name="buf.control", bind=[f"inproc://{p}/peer-lease_control"])
+        before = transport.dealer(name="before", connect=[url], identity=connection_routing_id("s0"))
+        after: DealerEndpoint | None = None
+        try:
+            assert (await _hello(before, "s0")).accepted
+            await before.send(WorkRequest(sampler_id="s0", credits=1))
+            held = await before.recv()
+            assert isinstance(held, TaskLease)
+
+            before.close()  # the process died: its connection closes
+            while not parse_monitor_message(await monitor.recv_multipart())["event"] & zmq.EVENT_DISCONNECTED:
+                pass
+            after = transport.dealer(name="after", connect=[url], identity=connection_routing_id("s0"))
+            welcome = await _hello(after, "s0")
+            assert welcome.accepted, welcome.reason
+
+            expire = await buffer_control.recv()  # at once, not at the lease's deadline
+            assert isinstance(expire, ExpireLease) and expire.lease_id == held.lease_id
+            assert source.counters["leases_of_restarted_samplers"] == 1
+        finally:
+            source._tasks_ep._socket.disable_monitor()
+            monitor.close(linger=0)
+            for endpoint in (before, after, buffer_control):
+                if endpoint is not None:
+                    endpoint.close()
+
+
+async def test_a_peer_that_never_said_hello_gets_no_leases(transport: Transport) -> None:
+    source = PromptSource("ps", job=JobConfig())
+    async with running(source, transport) as p:
+        rude = transport.dealer(name="rude", connect=[f"inproc://{p}/tasks"], identity=b"rude")
+        try:
+            for _ in range(4):
+                await rude.send(WorkRequest(sampler_id="s0", credits=8))
+            await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 4)
+            assert source.statistics().leases_issued == 0
+        finally:
+            rude.close()
+
+
+# -- WeightPublisher: who may subscribe ----------------------------------------------------
+
+
+async def test_the_weight_publisher_keeps_a_live_member_and_drops_a_name_thief(transport: Transport) -> None:
+    control = transport.router(name="pub.weights", bind=["inproc://id-pub/weights"])
+    broadcaster = WeightBroadcaster(transport, control, name="pub", member_ttl_s=30.0)
+    honest_id = connection_routing_id("s0")
+    honest = transport.dealer(name="honest", connect=["inproc://id-pub/weights"], identity=honest_id)
+    thief = transport.dealer(name="thief", connect=["inproc://id-pub/weights"], identity=connection_routing_id("s0"))
+    try:
+        async with asyncio.TaskGroup() as group:
+            task = group.create_task(broadcaster.run())
+            await honest.send(WeightSubscribe(sampler_id="s0", relay_address="tcp://127.0.0.1:1"))
+            await broadcaster.wait_members(1)
+            await thief.send(WeightSubscribe(sampler_id="s0", relay_address="tcp://127.0.0.1:2"))
+            await thief.send(ChunkRequest(sampler_id="s0", incarnation=0, version=0, indices=[0]))
+            await _until(lambda: broadcaster.unbound_dropped.get("ChunkRequest", 0) == 1)
+            assert broadcaster.refused_subscribers == {"name_in_use": 1}
+            assert broadcaster._members["s0"].peer == honest_id
+            assert broadcaster._members["s0"].address == "tcp://127.0.0.1:1"
+            task.cancel()
+    finally:
+        broadcaster.close()
+        for endpoint in (honest, thief, control):
+            endpoint.close()
+
+
+# -- CURVE: a name belongs to a key ---------------------------------------------------------
+
+
+async def test_under_curve_another_key_cannot_claim_a_samplers_name(transport: Transport, tmp_path: Path) -> None:
+    assert keys_main([str(tmp_path), "server", "worker", "impostor"]) == 0
+    server_keys = load_keypair(tmp_path / "server.key_secret")
+    transport.enable_curve(load_public_keys([tmp_path / "worker.key", tmp_path / "impostor.key"]))
+    router = transport.router(name="server", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys))
+    url = router.endpoints[0]
+    table = PeerTable(router, server_id="server", retry_after_s=5.0)
+
+    def client(name: str) -> DealerEndpoint:
+        keys = load_keypair(tmp_path / f"{name}.key_secret")
+        return transport.dealer(
+            name=name, connect=[url], identity=connection_routing_id("s0"),
+            curve=CurveClient(keys, {url: server_keys.public}),
+        )  # fmt: skip
+
+    worker, impostor = client("worker"), client("impostor")
+    try:
+        await worker.send(Hello(peer_id="s0", role="sampler"))
+        worker_route, _ = await router.recv()
+        assert isinstance(await table.claim(worker_route, "s0"), Claimed)
+        worker.close()  # gone: the name is free of connections, not of its key
+
+        await impostor.send(Hello(peer_id="s0", role="sampler"))
+        impostor_route, _ = await router.recv()
+        outcome = await table.claim(impostor_route, "s0")
+        assert isinstance(outcome, Refusal) and outcome.reason == "name_bound_to_another_key"
+        assert outcome.retry_after_s == 0  # permanent
+        assert isinstance(await table.claim(impostor_route, "s1"), Claimed)  # its own name is fine
+    finally:
+        for endpoint in (worker, impostor, router):
+            endpoint.close()
+
+
+# -- the model a worker must serve ----------------------------------------------------------
+
+
+def test_model_identity_names_what_differs() -> None:
+    job = model_identity("")
+    check_model(job, job)
+    check_model(job, None)  # an engine without a real model (simulated) is not checked
+    other = ModelIdentity(
+        model_id="other", tokenizer_digest=job.tokenizer_digest, architecture_digest="0" * 64, vocab_size=99
+    )
+    with pytest.raises(ModelMismatch) as err:
+        check_model(job, other)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "vocab_size 99" in message and "architecture_digest" in message and "tokenizer" not in message
+
+
+async def test_a_sampler_told_of_another_model_fails_before_asking_for_work(transport: Transport) -> None:
+    sampler = Sampler("s0", SamplerConfig(engine="torch"), JobConfig())
+    prefix = f"id-s0-{id(sampler):x}"
+    tasks = transport.router(name="ps.tasks", bind=[f"inproc://{prefix}/peer-tasks"])
+    try:
+        runtime = ProcessRuntime([sampler], {"s0": _addresses(sampler, prefix)}, transport=transport)
+        job_model = model_identity("")
+        wrong = ModelIdentity(
+            model_id="bigger", tokenizer_digest=job_model.tokenizer_digest,
+            architecture_digest=job_model.architecture_digest, vocab_size=32000,
+        )  # fmt: skip
+        failures: list[BaseException] = []
+        try:  # the actor fails, so its process exits 1 (echo2.launch.child)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(runtime.run())
+                peer, hello = await tasks.recv()
+                assert isinstance(hello, Hello)
+                await tasks.send(peer, Welcome(server_id="ps", accepted=True, model=wrong))
+        except* ActorFailed as failed:
+            failures = list(failed.exceptions)
+        assert len(failures) == 1
+        cause = failures[0].__cause__
+        assert isinstance(cause, ModelMismatch), cause
+        assert "vocab_size 15 (the job's: 32000)" in str(cause)
+        assert tasks.statistics().received == 1  # the Hello; no WorkRequest followed
+    finally:
+        tasks.close()
