@@ -245,11 +245,11 @@ class HFTorchEngine(Engine):
             self._version = version
 
     def model_identity(self) -> ModelIdentity:
-        from echo2.models.identity import identity_of, read_config
+        from echo2.models.identity import identity_of, model_label, read_config
 
         if self.policy.directory is None:
             raise ValueError("this engine's policy has no directory to read its configuration from")
-        return identity_of(self.policy.spec, read_config(self.policy.directory), self.tokenizer)
+        return identity_of(model_label(self.policy.spec), read_config(self.policy.directory), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)

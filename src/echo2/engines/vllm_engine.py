@@ -126,6 +126,7 @@ class VLLMEngine(Engine):
         if kind != "hf":
             raise ValueError(f"the vllm engine needs a Hugging Face model directory, got {model_dir!r}")
         self._vllm = vllm
+        self._spec = str(model_dir)
         self._directory = directory
         self.tokenizer = HFTokenizer(
             AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
@@ -284,9 +285,9 @@ class VLLMEngine(Engine):
             llm.finish_weight_update()
 
     def model_identity(self) -> ModelIdentity:
-        from echo2.models.identity import identity_of, read_config
+        from echo2.models.identity import identity_of, model_label, read_config
 
-        return identity_of(self._directory.name, read_config(self._directory), self.tokenizer)
+        return identity_of(model_label(self._spec), read_config(self._directory), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)

@@ -60,14 +60,20 @@ def model_identity(spec: str) -> ModelIdentity:
         return identity_of(TINY_MODEL_ID, read_config(path), CharTokenizer())
     from transformers import AutoTokenizer
 
-    from echo2.models.policy import SMOLLM2, HFTokenizer, resolve_model_dir
+    from echo2.models.policy import HFTokenizer, resolve_model_dir
 
     _, directory = resolve_model_dir(spec)
-    config = read_config(directory)
-
     tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
-    model_id = SMOLLM2 if spec.lower() == SMOLLM2 else Path(spec).expanduser().name
-    return identity_of(model_id, config, tokenizer)
+    return identity_of(model_label(spec), read_config(directory), tokenizer)
+
+
+def model_label(spec: str) -> str:
+    """``ModelIdentity.model_id`` for a model spec: what a person recognises it by."""
+    if not spec:
+        return TINY_MODEL_ID
+    if spec.lower() == "smollm2":  # echo2.models.policy.SMOLLM2, without importing torch
+        return spec.lower()
+    return Path(spec).expanduser().name
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
