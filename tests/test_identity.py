@@ -266,9 +266,10 @@ async def test_a_live_duplicate_is_refused_and_served_nothing_while_the_honest_s
             await same_id.send(Hello(peer_id="s0", role="sampler"))
             await same_id.send(WorkRequest(sampler_id="s0", credits=5))
             # Another routing id claiming the live name: refused, with a reason naming it.
-            refused = await _hello(other_id, "s0")
-            assert not refused.accepted and refused.refusal == "name_in_use"
-            assert "'s0'" in refused.reason and refused.retry_after_s > 0
+            for _ in range(3):  # claims repeated at once cost the holder one Probe
+                refused = await _hello(other_id, "s0")
+                assert not refused.accepted and refused.refusal == "name_in_use"
+                assert "'s0'" in refused.reason and refused.retry_after_s > 0
             for _ in range(3):  # ... and what it keeps sending is dropped unserved
                 await other_id.send(WorkRequest(sampler_id="s0", credits=5))
             await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 3)
@@ -280,9 +281,10 @@ async def test_a_live_duplicate_is_refused_and_served_nothing_while_the_honest_s
             assert all(isinstance(lease, TaskLease) for lease in leases)
             stats = source.statistics()
             assert stats.leases_issued == 2  # all to the honest sampler
-            assert stats.refused == {"name_in_use": 1}
+            assert stats.refused == {"name_in_use": 3}
+            assert honest.statistics().received == 4  # Welcome, one Probe, two leases
             assert same_id.statistics().received == 0
-            assert other_id.statistics().received == 1  # the refusal, nothing else
+            assert other_id.statistics().received == 3  # the refusals, nothing else
         finally:
             for endpoint in (honest, same_id, other_id):
                 endpoint.close()

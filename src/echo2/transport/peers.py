@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+import time
 
 from echo2.messages import Probe, RefusalReason
 from echo2.transport.endpoint import RouterEndpoint
@@ -45,6 +46,9 @@ from echo2.transport.endpoint import RouterEndpoint
 PROBE_TIMEOUT_S = 1.0
 """A probe that cannot be queued within this long (the old connection's pipe is full)
 counts as "still up": a full pipe belongs to a connection that was receiving."""
+PROBE_INTERVAL_S = 1.0
+"""A connection found up is not probed again for this long: a client repeating claims to a
+live peer's name costs that peer at most one ``Probe`` a second."""
 
 
 def connection_routing_id(name: str) -> bytes:
@@ -83,6 +87,7 @@ class PeerTable:
         self._route_of: dict[str, bytes] = {}
         self._name_of: dict[bytes, str] = {}
         self._key_of: dict[str, str] = {}  # name -> CURVE User-Id that first held it
+        self._found_up_s: dict[bytes, float] = {}  # route -> when a probe last found it up
         self.refused: dict[str, int] = {}
 
     def name_of(self, route: bytes) -> str | None:
@@ -116,6 +121,7 @@ class PeerTable:
                     self._retry_after_s,
                 )
             del self._name_of[old]
+            self._found_up_s.pop(old, None)
         previous = self._name_of.get(route)
         if previous is not None and previous != name:
             del self._route_of[previous]  # one name per connection: the latest claim
@@ -124,17 +130,24 @@ class PeerTable:
         return Claimed(replaced=old if old != route else None)
 
     def release(self, route: bytes) -> None:
-        """Forget a connection (it was found gone)."""
+        """Forget a connection: the name it held is free."""
+        self._found_up_s.pop(route, None)
         name = self._name_of.pop(route, None)
         if name is not None and self._route_of.get(name) == route:
             del self._route_of[name]
 
     async def _is_up(self, route: bytes) -> bool:
+        now = time.monotonic()
+        if now - self._found_up_s.get(route, -PROBE_INTERVAL_S) < PROBE_INTERVAL_S:
+            return True
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
-                return await self._router.send(route, Probe(server_id=self._server_id))
+                up = await self._router.send(route, Probe(server_id=self._server_id))
         except TimeoutError:
-            return True
+            up = True
+        if up:
+            self._found_up_s[route] = now
+        return up
 
     def _refuse(self, reason: RefusalReason, message: str, retry_after_s: float = 0.0) -> Refusal:
         self.refused[reason] = self.refused.get(reason, 0) + 1
