@@ -12,6 +12,7 @@ import contextlib
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -270,6 +271,7 @@ async def test_a_live_duplicate_is_refused_and_served_nothing_while_the_honest_s
                 refused = await _hello(other_id, "s0")
                 assert not refused.accepted and refused.refusal == "name_in_use"
                 assert "'s0'" in refused.reason and refused.retry_after_s > 0
+                assert honest_id.decode() not in refused.reason  # the holder's id is not given away
             for _ in range(3):  # ... and what it keeps sending is dropped unserved
                 await other_id.send(WorkRequest(sampler_id="s0", credits=5))
             await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 3)
@@ -442,3 +444,86 @@ async def test_a_sampler_told_of_another_model_fails_before_asking_for_work(tran
         assert tasks.statistics().received == 1  # the Hello; no WorkRequest followed
     finally:
         tasks.close()
+
+
+# -- end to end: the main job with a name thief on both ROUTERs -----------------------------
+
+
+@pytest.mark.slow  # ~30 s on 2 busy cores: the launched main job
+@pytest.mark.timeout(150)
+def test_the_main_job_trains_on_while_a_client_claims_a_samplers_name(tmp_path: Path) -> None:
+    """A local client (ipc: it shares the host) connects again and again to the PromptSource's
+    and the WeightPublisher's ROUTERs claiming ``sampler-0``: it is refused every time, gets
+    no lease, and the run trains every step and audits clean."""
+    import json
+
+    from echo2.rundir import RunDir
+    from echo2.tools.audit import audit
+
+    command = [
+        sys.executable, "-m", "echo2.launch", str(ROOT / "examples" / "topology.toml"), "--run-dir", str(tmp_path),
+        "--set", "actors.learner.config.max_steps=10", "--set", "actors.learner.config.eval_every=0",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    codec = Codec(AnyMessage)
+    context = zmq.Context()
+    refusals = leases = 0
+    try:
+
+        def ledger_names_sampler_0() -> bool:
+            """The honest sampler-0 holds its name once it was leased work (else a client
+            claiming the unused name first is simply a sampler of that name)."""
+            paths = [RunDir(p).ledger_path("prompt_source") for p in tmp_path.iterdir()]
+            return any(p.is_file() and '"sampler": "sampler-0"' in p.read_text() for p in paths)
+
+        while not ledger_names_sampler_0():
+            assert launcher.poll() is None, "the run ended before sampler-0 was leased work"
+            time.sleep(0.05)  # polling a file the run writes
+        (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+        resolved = json.loads(RunDir(run_dir).topology_path.read_text())
+        binds = {
+            (actor["name"], port): spec["bind"][0]
+            for process in resolved["processes"].values()
+            for actor in process["actors"]
+            for port, spec in actor["ports"].items()
+            if spec["bind"]
+        }
+        tasks, weights = binds[("prompt_source", "tasks")], binds[("weight_publisher", "weights")]
+        while launcher.poll() is None:
+            thief = context.socket(zmq.DEALER)
+            thief.setsockopt(zmq.LINGER, 0)
+            thief.setsockopt(zmq.RCVTIMEO, 2_000)
+            thief.setsockopt(zmq.ROUTING_ID, connection_routing_id("sampler-0"))
+            thief.connect(tasks)
+            thief.connect(weights)  # round-robin: each ROUTER gets every other message
+            try:
+                for message in (
+                    Hello(peer_id="sampler-0", role="sampler"),
+                    Hello(peer_id="sampler-0", role="sampler"),
+                    WeightSubscribe(sampler_id="sampler-0", relay_address="tcp://127.0.0.1:9"),
+                    WorkRequest(sampler_id="sampler-0", credits=8),
+                    ChunkRequest(sampler_id="sampler-0", incarnation=0, version=0, indices=[0]),
+                    WorkRequest(sampler_id="sampler-0", credits=8),
+                ):
+                    thief.send_multipart(codec.encode(message))
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        reply = codec.decode(thief.recv_multipart(copy=False))
+                        if isinstance(reply, Welcome):
+                            assert not reply.accepted, reply
+                            refusals += 1
+                        leases += isinstance(reply, TaskLease)
+            finally:
+                thief.close()
+        output = launcher.communicate(timeout=60)[0]
+    finally:
+        context.term()
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, output[-3000:]
+    assert refusals > 0 and leases == 0
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert json.loads(RunDir(run).summary_path.read_text())["steps"] == 10
+    report = audit([run])
+    assert report.ok, report

@@ -185,7 +185,6 @@ class PromptSource(Actor):
         )
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
-        self._refused: dict[str, int] = {}
         self._unwelcomed_dropped: dict[str, int] = {}
 
     async def setup(self, ctx) -> None:
@@ -261,7 +260,7 @@ class PromptSource(Actor):
             inflight=self._inflight(),
             active_samplers=len(self._decision.active) if self._decision else 0,
             dollars_spent=self.dollars_spent,
-            refused=dict(self._refused),
+            refused=dict(self._peers.refused),
             unwelcomed_dropped=dict(self._unwelcomed_dropped),
         )
 
@@ -345,7 +344,7 @@ class PromptSource(Actor):
     async def _greet(self, peer: bytes, hello: Hello) -> None:
         """Welcome a sampler under its name, or refuse it (``echo2.transport.peers``)."""
         if hello.protocol_version != PROTOCOL_VERSION:
-            outcome: Claimed | Refusal = Refusal(
+            outcome: Claimed | Refusal = self._peers.refuse(
                 "protocol_version",
                 f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})",
             )
@@ -353,7 +352,6 @@ class PromptSource(Actor):
             outcome = await self._peers.claim(peer, hello.peer_id)
         if isinstance(outcome, Refusal):
             self.counters["refused_peers"] += 1
-            self._refused[outcome.reason] = self._refused.get(outcome.reason, 0) + 1
             self._credits.pop(peer, None)  # a connection refused now keeps nothing it had
             if self._peers.name_of(peer) is not None:
                 self._peers.release(peer)

@@ -89,6 +89,7 @@ class PeerTable:
         self._key_of: dict[str, str] = {}  # name -> CURVE User-Id that first held it
         self._found_up_s: dict[bytes, float] = {}  # route -> when a probe last found it up
         self.refused: dict[str, int] = {}
+        """Claims refused, by ``RefusalReason``."""
 
     def name_of(self, route: bytes) -> str | None:
         """The name bound to this connection, or None (never claimed, refused or replaced)."""
@@ -104,20 +105,20 @@ class PeerTable:
     async def claim(self, route: bytes, name: str) -> Claimed | Refusal:
         """Bind ``name`` to ``route`` if no other live connection (or other key) holds it."""
         key = self._router.user_id(route)
-        if key is not None:
-            owner = self._key_of.setdefault(name, key)
-            if owner != key:
-                return self._refuse(
-                    "name_bound_to_another_key",
-                    f"name {name!r} belongs to another CURVE key in this run; this key may not claim it",
-                )
+        owner = self._key_of.get(name)
+        if key is not None and owner is not None and owner != key:
+            return self.refuse(
+                "name_bound_to_another_key",
+                f"name {name!r} belongs to another CURVE key in this run; this key may not claim it",
+            )
         old = self._route_of.get(name)
         if old is not None and old != route:
             if await self._is_up(old):
-                return self._refuse(
+                # The holder's routing id stays here: the refused client learns nothing of it.
+                return self.refuse(
                     "name_in_use",
-                    f"name {name!r} is held by another connection that is still up "
-                    f"(routing id {old!r}); retry after {self._retry_after_s:g} s if that one was yours",
+                    f"name {name!r} is held by another connection that is still up; "
+                    f"retry after {self._retry_after_s:g} s if that one was yours",
                     self._retry_after_s,
                 )
             del self._name_of[old]
@@ -127,6 +128,8 @@ class PeerTable:
             del self._route_of[previous]  # one name per connection: the latest claim
         self._route_of[name] = route
         self._name_of[route] = name
+        if key is not None:
+            self._key_of.setdefault(name, key)
         return Claimed(replaced=old if old != route else None)
 
     def release(self, route: bytes) -> None:
@@ -149,6 +152,8 @@ class PeerTable:
             self._found_up_s[route] = now
         return up
 
-    def _refuse(self, reason: RefusalReason, message: str, retry_after_s: float = 0.0) -> Refusal:
+    def refuse(self, reason: RefusalReason, message: str, retry_after_s: float = 0.0) -> Refusal:
+        """A refusal, counted in ``refused`` by reason (also for reasons decided outside
+        the table, such as a protocol version)."""
         self.refused[reason] = self.refused.get(reason, 0) + 1
         return Refusal(reason, message, retry_after_s)
