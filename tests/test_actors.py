@@ -34,6 +34,7 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
+from echo2.models.tokenizer import EOS_ID, CharTokenizer
 from echo2.runtime import ProcessRuntime
 from echo2.transport import Transport
 
@@ -63,10 +64,15 @@ async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
 
 
 TOKEN = bytes(range(16))
+TOKENIZER = CharTokenizer()
 
 
 def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) -> RolloutGroup:
+    """A well-formed group of the tiny model whose completions' ids spell ``texts`` (the
+    Rewarder scores what it decodes from the ids, not the texts a sampler claims)."""
     n = len(texts)
+    ids = [np.asarray([*TOKENIZER.encode(t), EOS_ID], dtype=np.int32) for t in texts]
+    offsets = np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int32)
     return RolloutGroup(
         lease_token=TOKEN,
         lease_id=lease_id,
@@ -77,9 +83,9 @@ def _group(task_id: str, version: int, lease_id: int = 1, texts=("975", "974")) 
         version=version,
         prompt="123+456=",
         prompt_token_ids=np.arange(8, dtype=np.int32),
-        token_ids=np.zeros(4 * n, dtype=np.int32),
-        logprobs=np.full(4 * n, -0.5, dtype=np.float32),
-        offsets=np.arange(0, 4 * n + 1, 4, dtype=np.int32),
+        token_ids=np.concatenate(ids),
+        logprobs=np.full(int(offsets[-1]), -0.5, dtype=np.float32),
+        offsets=offsets,
         texts=list(texts),
         finish_reasons=["eos"] * n,
     )
@@ -294,10 +300,10 @@ async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) 
 
 
 def flaky_reward(prompt, completion: str) -> float:
-    """Test reward: raises on "boom", hangs (beyond the deadline) on "hang"."""
-    if completion == "boom":
+    """Test reward: raises on "666" ("boom"), hangs (beyond the deadline) on "777"."""
+    if completion == "666":
         raise RuntimeError("reward code crashed")
-    if completion == "hang":
+    if completion == "777":
         import threading
 
         threading.Event().wait(2.0)
@@ -312,8 +318,8 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
         scored = transport.pull(name="buf.scored", bind=[f"inproc://{p}/peer-scored"])
         leases = transport.router(name="ps.leases", bind=[f"inproc://{p}/peer-leases"])
         try:
-            a_group = _group("a", 0, lease_id=1, texts=("975", "boom", "hang", "1"))
-            b_group = _group("b", 0, lease_id=2, texts=("boom", "boom", "975"))
+            a_group = _group("a", 0, lease_id=1, texts=("975", "666", "777", "1"))
+            b_group = _group("b", 0, lease_id=2, texts=("666", "666", "975"))
             records = {g.lease_id: lease_record(g) for g in (a_group, b_group)}
             results = {}
             async with lease_records_served(leases, records):

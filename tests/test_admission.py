@@ -180,6 +180,7 @@ def hostile_groups(leases: list[TaskLease], name: str) -> list[RolloutGroup]:
         {"token_ids": None},  # OOV, filled below
         {"logprobs": None},  # NaN
         {"offsets": None},  # inconsistent
+        {"texts": None},  # a right answer's text over the ids of a wrong one
     ]
     for lease, edit in zip(leases[1:], edits, strict=False):
         group = answer_group(lease, name, [right_answer(lease)] * g)
@@ -189,6 +190,8 @@ def hostile_groups(leases: list[TaskLease], name: str) -> list[RolloutGroup]:
             edit = {"logprobs": np.full_like(group.logprobs, np.nan)}
         elif "offsets" in edit:
             edit = {"offsets": group.offsets[::-1].copy()}
+        elif "texts" in edit:
+            group, edit = answer_group(lease, name, wrong), {"texts": group.texts}
         out.append(msgspec.structs.replace(group, **edit))
     for lease in leases[1 + len(edits) :]:  # the rest: over-long completions
         out.append(answer_group(lease, name, ["1" * 9] * g))
@@ -263,7 +266,7 @@ async def test_hostile_sampler_is_refused_counted_quarantined_and_honest_work_go
     buffer = Buffer("buffer", job=job)
     honest = ScriptedSampler("honest", job=job)
     evil = ScriptedSampler("evil", job=job)
-    evil.hold = 8
+    evil.hold = 9
     evil.script = hostile_groups  # type: ignore[method-assign,assignment]
 
     def framing(lease: TaskLease, name: str) -> list[RolloutGroup]:
@@ -296,7 +299,7 @@ async def test_hostile_sampler_is_refused_counted_quarantined_and_honest_work_go
     # lease they name has closed; which one depends on which Rewarder looks first.)
     framed = stats.rejected_by_sampler["honest"]
     assert sum(framed.values()) % 10 == 0 and set(framed) <= {"wrong_token", "unknown_lease"}, framed
-    assert ps.quarantined_samplers == 1 and source._quarantined == {b"evil"}
+    assert ps.quarantined_samplers == 1 and source._quarantined == {"evil"}
     assert ps.leases_rejected >= 6  # the holder's own rejections (a wrong token proves nothing)
     rejected = sum(evil_rejections.values()) + sum(framed.values())
     assert sum(r.counters["groups_rejected"] for r in rewarders) == rejected
@@ -305,7 +308,8 @@ async def test_hostile_sampler_is_refused_counted_quarantined_and_honest_work_go
     events = ledger.read([tmp_path]).events
     accepted = {e.task: e for e in events if isinstance(e, ledger.Accepted)}
     assert len(accepted) == tasks  # each task stored once: rejected leases were re-issued
-    # Forged groups were admitted (well-formed), but scored against the trusted answer.
+    # Forged groups were admitted (well-formed), but scored against the trusted answer, on
+    # the text the trusted side decodes from their ids (not the texts they claim).
     stored = {g.group.task_id: g for g in buffer._store}
     forged = [t for t, e in accepted.items() if e.sampler == "evil"]
     assert forged and all(stored[t].rewards.tolist() == [0.0, 0.0] for t in forged)
@@ -409,10 +413,10 @@ async def test_a_sampler_whose_logprobs_stay_far_from_the_learners_is_quarantine
         source.observe_mismatch(2, {"honest": -0.03, "liar": -1.5})
         assert source._quarantined == set()  # two steps, not three
         source.observe_mismatch(3, {"honest": 0.01, "liar": float("nan")})
-        assert source._quarantined == {b"liar"}
+        assert source._quarantined == {"liar"}
         assert source.statistics().quarantined_samplers == 1
         source.observe_mismatch(4, {"honest": 0.9})  # one step far off is not a streak
-        assert source._quarantined == {b"liar"}
+        assert source._quarantined == {"liar"}
 
 
 def meta_reward(prompt, completion: str) -> float:  # type: ignore[no-untyped-def]

@@ -228,3 +228,19 @@ def test_close_stops_a_running_generate(llama_dir: Path) -> None:
     engine.close()
     with pytest.raises(RuntimeError):
         engine.generate([[1, 4]], 1, SamplingParams())
+
+
+def test_the_job_side_and_the_engine_agree_on_the_model_identity(llama_dir: Path, tmp_path: Path) -> None:
+    """What a PromptSource reads from the files equals what an engine that loaded the model
+    reports, and a different architecture or vocabulary changes it."""
+    from echo2.models.identity import model_identity
+
+    job = model_identity(str(llama_dir))
+    assert job.vocab_size == len(CHARS) + 3
+    assert make_engine("hf", model_dir=str(llama_dir)).model_identity() == job
+    saved = tmp_path / "saved"
+    load_policy(str(llama_dir)).save(saved)  # re-saved: the same model, another directory
+    served = make_engine("hf", model_dir=str(saved)).model_identity()
+    assert (served.tokenizer_digest, served.architecture_digest) == (job.tokenizer_digest, job.architecture_digest)
+    chat = model_identity(str(make_tiny_llama(tmp_path / "chat", chat=True)))
+    assert chat.architecture_digest == job.architecture_digest and chat.tokenizer_digest != job.tokenizer_digest

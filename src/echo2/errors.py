@@ -10,6 +10,7 @@
     ├── TransportError              a socket could not be opened, bound or used
     │   └── ClosedError             the endpoint was closed by this process
     ├── CheckpointInvalid           a learner checkpoint is incomplete or damaged (one line: what)
+    ├── ModelMismatch               a worker's model is not the job's (one line: what differs)
     ├── EndOfStream                 every producer of a channel said it is done (not a failure)
     └── ActorFailed                 an actor's run() raised; carries the actor name
 
@@ -57,6 +58,11 @@ class ClosedError(TransportError):
 class CheckpointInvalid(Echo2Error):
     """A learner checkpoint is incomplete or damaged. ``str(err)`` is one line: what is wrong
     (a file missing, truncated or not matching its digest; no manifest; unreadable)."""
+
+
+class ModelMismatch(Echo2Error):
+    """A worker's engine does not serve the model the job names (``Welcome.model``).
+    ``str(err)`` is one line: which of vocab size, tokenizer and architecture differ."""
 
 
 class EndOfStream(Echo2Error):

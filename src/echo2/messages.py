@@ -106,8 +106,39 @@ class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
 # -- control -------------------------------------------------------------------------
 
 
+RefusalReason = Literal["protocol_version", "name_in_use", "name_bound_to_another_key"]
+"""Why a server refused a peer's claim to a name (``Welcome.refusal``, counted per reason):
+``protocol_version`` (it speaks another ``PROTOCOL_VERSION``: permanent), ``name_in_use``
+(another connection that is still up holds the name: retry after ``retry_after_s``, e.g. a
+restart whose old connection has not closed yet), ``name_bound_to_another_key`` (under
+CURVE the name belongs to another public key: permanent)."""
+
+
+class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """The model a worker must serve, computed by the trusted side from its configured model
+    (``echo2.models.identity``) and carried in ``Welcome``.
+
+    Token ids on the wire are this tokenizer's ids, each ``< vocab_size``. A worker compares
+    the three digests and ``vocab_size`` with its own model's and must not generate when one
+    differs; ``model_id`` is a label for messages (``"echo2-tiny"``, ``"smollm2"``, a
+    directory's name), not compared.
+    """
+
+    model_id: str
+    tokenizer_digest: str
+    """BLAKE3 (hex) of the tokenizer's vocabulary, special ids and prompt template."""
+    architecture_digest: str
+    """BLAKE3 (hex) of the model's configuration (config.json's fields, canonical JSON)."""
+    vocab_size: int
+    """Rows of the model's token embedding: every token id is ``< vocab_size``."""
+
+
 class Hello(Message, frozen=True):
-    """First message a client sends on a request/reply channel (DEALER -> ROUTER)."""
+    """First message a client sends on a request/reply channel (DEALER -> ROUTER).
+
+    ``peer_id`` is the name the client claims (a sampler's actor name); the server binds it
+    to the connection's routing id, which must be unique per connection (docs/protocol.md).
+    """
 
     peer_id: str
     role: str
@@ -117,12 +148,28 @@ class Hello(Message, frozen=True):
 
 
 class Welcome(Message, frozen=True):
-    """Answer to ``Hello``: accepted, or refused with a reason the client logs and exits on."""
+    """Answer to ``Hello``: accepted, or refused with a reason the client logs.
+
+    Refused with ``retry_after_s > 0``: the client may send ``Hello`` again after that many
+    seconds (the name is held by a connection that is still up); with 0 it must stop.
+    Until a ``Welcome(accepted=True)`` nothing the client sends is served.
+    """
 
     server_id: str
     accepted: bool
     reason: str = ""
     protocol_version: int = PROTOCOL_VERSION
+    refusal: RefusalReason | None = None
+    retry_after_s: float = 0.0
+    model: ModelIdentity | None = None
+    """The model to serve (None: the server does not say; e.g. a transport-only job)."""
+
+
+class Probe(Message, frozen=True):
+    """Server -> a connection it already knows, to learn whether that connection is still
+    up (a send to a closed one fails at once). Carries nothing; clients ignore it."""
+
+    server_id: str
 
 
 class EndOfStreamMsg(Message, frozen=True):
@@ -219,6 +266,10 @@ class PromptSourceStats(Statistics, frozen=True):
     """Samplers given no more leases (repeated rejections); see the ``quarantined`` ledger event."""
     leases_withheld_old_version: int = 0
     """Times a sampler with credit was passed over because its installed version is too old."""
+    refused: dict[str, int] = {}
+    """Hellos refused, by ``RefusalReason``."""
+    unwelcomed_dropped: dict[str, int] = {}
+    """Messages from connections never welcomed (or refused), dropped unserved, by type."""
     open_leases: int = 0
     inflight: int = 0
     active_samplers: int = 0
@@ -264,6 +315,10 @@ class PublisherStats(Statistics, frozen=True):
     latest_version: int = -1
     t_bcast_s: float = -1.0
     """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
+    refused_subscribers: dict[str, int] = {}
+    """``WeightSubscribe`` claims to a name refused, by ``RefusalReason``."""
+    unbound_dropped: dict[str, int] = {}
+    """Messages dropped because their connection does not hold the name they carry, by type."""
 
 
 class CustomStats(Statistics, frozen=True):
@@ -667,6 +722,7 @@ class ChunkRequest(Message, _Versioned, frozen=True):
 AnyMessage = (
     Hello
     | Welcome
+    | Probe
     | EndOfStreamMsg
     | Heartbeat
     | MetricsRecord

@@ -27,10 +27,11 @@ group could cancel, or one forger could get quarantined, an honest sampler.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,11 @@ stale work now and then (and a sampler that stays too old is given no leases ins
 
 @dataclass(frozen=True)
 class PromptCodec:
-    """The trusted side's tokenization of prompts and the model's vocabulary size."""
+    """The trusted side's tokenizer (prompts encoded, completions decoded) and the model's vocabulary size."""
 
     encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    """Text of a completion's ids, exactly as every engine makes ``Completion.text``."""
     vocab_size: int
 
 
@@ -77,13 +80,27 @@ def trusted_prompt_codec(job: JobConfig) -> PromptCodec:
     config = json.loads((directory / "config.json").read_text())
     vocab_size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
     if "model_type" not in config:  # a tiny-model checkpoint
-        return PromptCodec(CharTokenizer().encode_prompt, vocab_size)
+        chars = CharTokenizer()
+        return PromptCodec(chars.encode_prompt, chars.decode, vocab_size)
     from transformers import AutoTokenizer
 
     from echo2.models.policy import HFTokenizer
 
     tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(directory)))
-    return PromptCodec(tokenizer.encode_prompt, vocab_size or tokenizer.vocab_size)
+    return PromptCodec(tokenizer.encode_prompt, tokenizer.decode, vocab_size or tokenizer.vocab_size)
+
+
+def trusted_texts(group: RolloutGroup, codec: PromptCodec) -> list[str] | Rejection:
+    """The completions' texts decoded from their token ids on the trusted side.
+
+    A reward reads text, the learner trains on ids: scoring the sampler's ``texts`` would let
+    it pair a right answer's text with any ids. Call only on a group ``check_group`` admitted.
+    """
+    offsets = group.offsets.tolist()
+    try:
+        return [codec.decode(group.token_ids[a:b].tolist()) for a, b in itertools.pairwise(offsets)]
+    except (ValueError, KeyError, IndexError) as exc:  # an id the tokenizer maps to no text
+        return "token_out_of_vocab", f"the tokenizer cannot decode a completion: {exc}"
 
 
 def trusted_prompt(record: LeaseRecord) -> Prompt:

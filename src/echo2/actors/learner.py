@@ -68,6 +68,7 @@ from echo2.training.checkpoint import (
     newest_incarnation,
     write_checkpoint,
 )
+from echo2.transport.peers import connection_routing_id
 from echo2.weights.chunks import flatten_tensors
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class Learner(Actor):
         await asyncio.to_thread(self._build)
         if ctx.resume:
             await asyncio.to_thread(self._restore)
-        self._batches = ctx.open("batch", identity=self.name.encode())
+        self._batches = ctx.open("batch", identity=connection_routing_id(self.name))
         self._snapshots = ctx.open("snapshots")
 
     def _build(self) -> None:

@@ -80,6 +80,7 @@ from echo2.messages import (
     LeaseQuery,
     LeaseRecord,
     LeaseRecords,
+    ModelIdentity,
     PromptSourceStats,
     TaskLease,
     WeightsInstalled,
@@ -88,6 +89,8 @@ from echo2.messages import (
 )
 from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task, prompt_stream
+from echo2.transport import SocketOptions
+from echo2.transport.peers import Claimed, PeerTable, Refusal
 
 
 class PromptSourceConfig(ActorConfig, frozen=True):
@@ -179,7 +182,7 @@ class PromptSource(Actor):
         self._next_version = 0
         self._learner_incarnation = 0
         self._installed: dict[bytes, int] = {}  # peer -> installed version it reported
-        self._quarantined: set[bytes] = set()
+        self._quarantined: set[str] = set()  # by name: a reconnection gets a new routing id
         self._mismatch_streak: dict[str, int] = {}  # sampler -> consecutive steps far off
         self._mismatch_version = -1
         self._rejections = RejectionTracker(self.config.quarantine_rejections, self.config.quarantine_window_s)
@@ -225,6 +228,7 @@ class PromptSource(Actor):
         )
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
+        self._unwelcomed_dropped: dict[str, int] = {}
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
@@ -232,6 +236,14 @@ class PromptSource(Actor):
         self._prompt_codec: PromptCodec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._lease_queries = ctx.open("leases")
         self._tasks_ep = ctx.open("tasks")
+        # A refused name is retried after one heartbeat timeout: by then ZeroMQ has dropped
+        # a connection that went silent, and the name is free (echo2.transport.peers).
+        self._peers = PeerTable(
+            self._tasks_ep, server_id=self.name, retry_after_s=SocketOptions().heartbeat_timeout_ms / 1000
+        )
+        self._model = await asyncio.to_thread(_job_model_identity, self.job.model)
+        if self._model is None:
+            ctx.log.warning("the job's model %r cannot be read here: samplers' models are not checked", self.job.model)
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
         self._telemetry = ctx.open("telemetry", subscribe=[HEARTBEAT_TOPIC, INSTALLED_TOPIC])
@@ -294,6 +306,8 @@ class PromptSource(Actor):
             inflight=self._inflight(),
             active_samplers=len(self._decision.active) if self._decision else 0,
             dollars_spent=self.dollars_spent,
+            refused=dict(self._peers.refused),
+            unwelcomed_dropped=dict(self._unwelcomed_dropped),
         )
 
     def _inflight(self) -> int:
@@ -366,36 +380,63 @@ class PromptSource(Actor):
     async def _serve_samplers(self) -> None:
         while True:
             for peer, message in await self._tasks_ep.recv_many():
-                if isinstance(message, WorkRequest):
+                if isinstance(message, Hello):
+                    await self._greet(peer, message)
+                elif self._peers.name_of(peer) is None:
+                    # Not welcomed (never said Hello, refused, or replaced by its restart):
+                    # nothing it sends is served.
+                    kind = type(message).__name__
+                    self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
+                elif isinstance(message, WorkRequest):
                     self._credits[peer] = self._credits.get(peer, 0) + max(0, message.credits)
                     self._installed[peer] = message.installed_version
                     self._wakeup.set()
-                elif isinstance(message, Hello):
-                    await self._greet(peer, message)
 
     async def _greet(self, peer: bytes, hello: Hello) -> None:
-        accepted = hello.protocol_version == PROTOCOL_VERSION
-        reason = (
-            ""
-            if accepted
-            else (f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})")
-        )
-        if not accepted:
-            self.counters["refused_peers"] += 1
-            self.ctx.log.warning("refused sampler %s: %s", hello.peer_id, reason)
+        """Welcome a sampler under its name, or refuse it (``echo2.transport.peers``)."""
+        if hello.protocol_version != PROTOCOL_VERSION:
+            outcome: Claimed | Refusal = self._peers.refuse(
+                "protocol_version",
+                f"protocol {hello.protocol_version} not supported (this PromptSource speaks {PROTOCOL_VERSION})",
+            )
         else:
-            # A (re)connecting sampler starts with no credit, and whatever it held before a
-            # restart is gone: expire its leases now instead of waiting for their deadlines.
-            self._credits[peer] = 0
-            now = time.monotonic()
-            held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
-            for lease in held:
-                lease.deadline = now
-                heapq.heappush(self._deadlines, (now, lease.lease_id))
-            if held:
-                self.counters["leases_of_restarted_samplers"] += len(held)
-                self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
-        await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=accepted, reason=reason))
+            outcome = await self._peers.claim(peer, hello.peer_id)
+        if isinstance(outcome, Refusal):
+            self.counters["refused_peers"] += 1
+            self._credits.pop(peer, None)  # a connection refused now keeps nothing it had
+            if self._peers.name_of(peer) is not None:
+                self._peers.release(peer)
+            self.ctx.log.warning("refused sampler %s (%r): %s", hello.peer_id, peer, outcome.message)
+            welcome = Welcome(
+                server_id=self.name,
+                accepted=False,
+                reason=outcome.message,
+                refusal=outcome.reason,
+                retry_after_s=outcome.retry_after_s,
+            )
+            await self._tasks_ep.send(peer, welcome)
+            return
+        # A (re)connecting sampler starts with no credit, and whatever it held before a
+        # restart (on this connection or the one it replaces) is gone: expire its leases now
+        # instead of waiting for their deadlines.
+        self._credits[peer] = 0
+        previous = {peer} if outcome.replaced is None else {peer, outcome.replaced}
+        if outcome.replaced is not None:
+            self._credits.pop(outcome.replaced, None)
+        now = time.monotonic()
+        held = [lease for lease in self._leases.values() if lease.sampler in previous and not lease.expiring]
+        for lease in held:
+            lease.deadline = now
+            heapq.heappush(self._deadlines, (now, lease.lease_id))
+        if held:
+            self.counters["leases_of_restarted_samplers"] += len(held)
+            self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
+        await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=True, model=self._model))
+
+    def _sampler_name(self, peer: bytes) -> str:
+        """The name a welcomed connection holds (its routing id is per connection)."""
+        name = self._peers.name_of(peer)
+        return name if name is not None else peer.decode(errors="replace")
 
     async def _serve_completions(self) -> None:
         while True:
@@ -453,12 +494,12 @@ class PromptSource(Actor):
         else:
             self.counters["attempts_exhausted"] += 1
             self.ctx.ledger(ledger.TaskAbandoned(task=lease.prompt.task_id, attempts=lease.attempt + 1))
-        if reason in QUARANTINE_EXEMPT or lease.sampler in self._quarantined:
+        name = self._sampler_name(lease.sampler)
+        if reason in QUARANTINE_EXEMPT or name in self._quarantined:
             return
-        name = lease.sampler.decode(errors="replace")
         if self._rejections.add(name):
             limits = f"{self.config.quarantine_rejections} rejected groups in {self.config.quarantine_window_s:g} s"
-            self.quarantine(lease.sampler, f"{limits} (last: {reason})")
+            self.quarantine(name, f"{limits} (last: {reason})")
 
     def observe_mismatch(self, version: int, mismatch_by_sampler: dict[str, float]) -> None:
         """The learner's last step's per-sampler log-prob mismatch (once per step: heartbeats
@@ -474,23 +515,22 @@ class PromptSource(Actor):
             if streak >= self.config.quarantine_mismatch_steps:
                 steps = self.config.quarantine_mismatch_steps
                 self.quarantine(
-                    sampler.encode(),
+                    sampler,
                     f"log-prob mismatch {mismatch:+.3f} nats/token beyond {threshold:g} for {steps} steps",
                 )
 
-    def quarantine(self, peer: bytes, reason: str) -> None:
-        """Give ``peer`` no more leases, and expire the ones it holds now so that their
-        tasks are re-issued to someone else."""
-        if peer in self._quarantined:
+    def quarantine(self, name: str, reason: str) -> None:
+        """Give the sampler ``name`` no more leases, on any connection, and expire the ones
+        it holds now so that their tasks are re-issued to someone else."""
+        if name in self._quarantined:
             return
-        self._quarantined.add(peer)
+        self._quarantined.add(name)
         self.counters["quarantined_samplers"] += 1
-        name = peer.decode(errors="replace")
         self.ctx.log.warning("quarantined sampler %s: %s", name, reason)
         self.ctx.ledger(ledger.Quarantined(sampler=name, reason=reason))
         now = time.monotonic()
         for held in self._leases.values():
-            if held.sampler == peer and not held.expiring:
+            if self._sampler_name(held.sampler) == name and not held.expiring:
                 held.deadline = now
                 heapq.heappush(self._deadlines, (now, held.lease_id))
 
@@ -525,7 +565,7 @@ class PromptSource(Actor):
             lease_id=lease_id,
             task_id=prompt.task_id,
             attempt=attempt,
-            sampler_id=peer.decode(errors="replace"),
+            sampler_id=self._sampler_name(peer),
             token=secrets.token_bytes(16),
             group_size=self.job.group_size,
             max_new_tokens=self.job.max_new_tokens,
@@ -537,7 +577,8 @@ class PromptSource(Actor):
 
     def _may_lease_to(self, peer: bytes) -> bool:
         """Active, not quarantined, and with weights whose work could still be trained."""
-        if peer in self._quarantined or not self.scheduler.is_active(peer.decode(errors="replace")):
+        name = self._sampler_name(peer)
+        if name in self._quarantined or not self.scheduler.is_active(name):
             return False
         if self._installed.get(peer, -1) < self._next_version - self.job.staleness:
             self.counters["leases_withheld_old_version"] += 1
@@ -630,7 +671,7 @@ class PromptSource(Actor):
                             task=prompt.task_id,
                             lease=lease.lease_id,
                             attempt=attempt,
-                            sampler=peer.decode(errors="replace"),
+                            sampler=self._sampler_name(peer),
                         )
                     )
                     heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
@@ -639,3 +680,16 @@ class PromptSource(Actor):
                         self.counters["leases_reissued"] += 1
                     credit -= 1
                 self._credits[peer] = credit
+
+
+def _job_model_identity(spec: str) -> ModelIdentity | None:
+    """What every sampler must serve: the identity of the job's model (None when the model
+    cannot be read here, e.g. a Hugging Face model without the ``hf`` extra: not checked)."""
+    try:
+        from echo2.models.identity import model_identity
+    except ImportError:
+        return None
+    try:
+        return model_identity(spec)
+    except (ImportError, OSError, ValueError):
+        return None

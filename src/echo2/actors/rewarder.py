@@ -41,7 +41,7 @@ import numpy as np
 from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.actors.admission import check_group, check_lease, trusted_prompt
+from echo2.actors.admission import check_group, check_lease, trusted_prompt, trusted_prompt_codec, trusted_texts
 from echo2.messages import (
     AdmissionWindow,
     GroupRejected,
@@ -83,6 +83,7 @@ class Rewarder(Actor):
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._task = load_job_task(self.job)
+        self._codec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._pool = self._new_pool()
         self._stuck = 0
         self._slots = asyncio.Semaphore(self.config.max_concurrent_groups)
@@ -152,7 +153,11 @@ class Rewarder(Actor):
             rejection = check_group(rollout, record, window)
         if rejection is None:
             assert record is not None
-            return msgspec.structs.replace(rollout, prompt=record.prompt), record
+            texts = trusted_texts(rollout, self._codec)
+            if not isinstance(texts, tuple):
+                # Scored and trained as the trusted side reads it: its prompt, its decoding.
+                return msgspec.structs.replace(rollout, prompt=record.prompt, texts=texts), record
+            rejection = texts
         reason, detail = rejection
         self.counters["groups_rejected"] += 1
         await self._scored.send(

@@ -41,13 +41,14 @@ import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
-from echo2.errors import TransportError
+from echo2.errors import ModelMismatch, TransportError
 from echo2.messages import (
     INSTALLED_TOPIC,
     NO_VERSION,
     Hello,
+    ModelIdentity,
     PolicyVersion,
     RolloutGroup,
     SamplerStats,
@@ -57,6 +58,7 @@ from echo2.messages import (
     WorkRequest,
 )
 from echo2.registry import EngineKind
+from echo2.transport.peers import connection_routing_id
 from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler
 from echo2.weights.link import LinkSpec
@@ -131,9 +133,10 @@ class Sampler(Actor):
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
         self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
-        self._tasks = ctx.open("tasks", identity=self.name.encode())
+        # One routing id per connection (never the bare name: echo2.transport.peers).
+        self._tasks = ctx.open("tasks", identity=connection_routing_id(self.name))
         self._rollouts = ctx.open("rollouts")
-        self._weights = ctx.open("weights", identity=self.name.encode())
+        self._weights = ctx.open("weights", identity=connection_routing_id(self.name))
         self._receiver = WeightReceiver(
             ctx.transport,
             self._weights,
@@ -161,18 +164,31 @@ class Sampler(Actor):
         self.wait_weights_s = 0.0
 
     async def _handshake(self) -> None:
-        """Hello/Welcome: the PromptSource checks our protocol version before any work.
+        """Hello/Welcome: the PromptSource checks our protocol version and our claim to our
+        name before any work, and says which model to serve; we check that our engine
+        serves it.
+
+        Refused with a retry delay (our name is still held by a connection that is up,
+        e.g. this sampler's previous process, not yet dropped), we say Hello again after
+        it; refused without one, or told of another model, we fail (exit non-zero).
 
         Runs in ``run()``, not ``setup()``: setup must never wait for a peer, since peers
         in the same process are set up one after another.
         """
-        await self._tasks.send(Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname()))
+        hello = Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
         while True:
+            await self._tasks.send(hello)
             reply = await self._tasks.recv()
-            if isinstance(reply, Welcome):
+            while not isinstance(reply, Welcome):
+                reply = await self._tasks.recv()
+            if reply.accepted:
                 break
-        if not reply.accepted:
-            raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
+            if reply.retry_after_s <= 0:
+                raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
+            self.ctx.log.warning("refused (%s); saying Hello again in %g s", reply.reason, reply.retry_after_s)
+            await asyncio.sleep(reply.retry_after_s)  # the server's back-off, not a synchronisation
+        if reply.model is not None:
+            check_model(reply.model, self.engine.model_identity())
         self._welcomed = True
 
     def statistics(self) -> SamplerStats:
@@ -202,10 +218,15 @@ class Sampler(Actor):
     # -- loops -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        await run_until_stopped(self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate())
+        # Welcomed first, alone: a refusal or a model mismatch fails the actor with its own
+        # one-line error, and a sampler that is not welcomed subscribes to nothing.
+        welcomed, _ = await until_stopping(self.ctx.stopping, self._handshake())
+        if welcomed:
+            await run_until_stopped(
+                self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate()
+            )
 
     async def _receive_leases(self) -> None:
-        await self._handshake()
         self._owed += self.config.credits
         await self._tasks.send(self._work_request(self.config.credits))
         while True:
@@ -330,6 +351,26 @@ class Sampler(Actor):
             self.counters["tokens_generated"] += int(group.offsets[-1])
         self._owed += len(batch)
         await self._tasks.send(self._work_request(len(batch)))
+
+
+def check_model(expected: ModelIdentity, served: ModelIdentity | None) -> None:
+    """Raise ``ModelMismatch`` (one line: what differs) unless the engine serves ``expected``.
+
+    ``served`` None (an engine without a real model, the simulated one) is not checked.
+    """
+    if served is None:
+        return
+    differs = [
+        f"{field} {getattr(served, field)!r} (the job's: {getattr(expected, field)!r})"
+        for field in ("vocab_size", "tokenizer_digest", "architecture_digest")
+        if getattr(served, field) != getattr(expected, field)
+    ]
+    if differs:
+        raise ModelMismatch(
+            f"this sampler's model {served.model_id!r} is not the job's {expected.model_id!r}: "
+            + "; ".join(differs)
+            + ". Generating would produce rollouts the learner cannot train; load the job's model"
+        )
 
 
 def _params(lease: TaskLease) -> tuple[int, float, float, int]:

@@ -129,6 +129,8 @@ class WeightPublisher(Actor):
             uplink_bytes=int(b["uplink_bytes"]),
             latest_version=latest.version if latest is not None else -1,
             t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,
+            refused_subscribers=self.broadcaster.refused_subscribers,
+            unbound_dropped=dict(self.broadcaster.unbound_dropped),
         )
 
     async def aclose(self) -> None:

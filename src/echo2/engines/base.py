@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from echo2.messages import ModelIdentity
 from echo2.registry import ENGINES, EngineKind
 
 FINISH_EOS = "eos"
@@ -113,6 +114,11 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release resources; idempotent."""
+
+    def model_identity(self) -> ModelIdentity | None:
+        """The identity of the model this engine serves (``echo2.models.identity``), which
+        a Sampler checks against the one in ``Welcome``; None: no real model (simulated)."""
+        return None
 
     def __enter__(self) -> Engine:
         return self

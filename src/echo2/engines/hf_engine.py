@@ -35,6 +35,7 @@ from echo2.engines.base import (
     check_generate_args,
 )
 from echo2.engines.torch_engine import sample_next
+from echo2.messages import ModelIdentity
 from echo2.models.policy import Policy, load_policy
 
 _WIRE_FLOATS = {"float32", "float16", "uint16"}
@@ -242,6 +243,13 @@ class HFTorchEngine(Engine):
         with self._lock:
             self.policy.install_wire(tensors)
             self._version = version
+
+    def model_identity(self) -> ModelIdentity:
+        from echo2.models.identity import identity_of, model_label, read_config
+
+        if self.policy.directory is None:
+            raise ValueError("this engine's policy has no directory to read its configuration from")
+        return identity_of(model_label(self.policy.spec), read_config(self.policy.directory), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)

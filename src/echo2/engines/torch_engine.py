@@ -15,6 +15,7 @@ set torch's thread count: the process runtime owns it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from echo2.engines.base import (
     check_generate_args,
     validate_weights,
 )
+from echo2.messages import ModelIdentity
 from echo2.models import CharTokenizer, KVCache, TinyTransformer, default_checkpoint_dir
 
 
@@ -281,6 +283,11 @@ class TorchEngine(Engine):
             for name, target in self._model.state_dict().items():
                 target.copy_(sources[name])
             self._version = version
+
+    def model_identity(self) -> ModelIdentity:
+        from echo2.models.identity import TINY_MODEL_ID, identity_of
+
+        return identity_of(TINY_MODEL_ID, dataclasses.asdict(self._model.config), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)

@@ -41,6 +41,7 @@ from echo2.engines.base import (
     TensorLayout,
     check_generate_args,
 )
+from echo2.messages import ModelIdentity
 
 # safetensors header dtype -> the numpy dtype the tensor travels as (bf16 as raw uint16)
 _ST_TO_WIRE = {"F32": "float32", "F16": "float16", "BF16": "uint16"}
@@ -125,6 +126,7 @@ class VLLMEngine(Engine):
         if kind != "hf":
             raise ValueError(f"the vllm engine needs a Hugging Face model directory, got {model_dir!r}")
         self._vllm = vllm
+        self._spec = str(model_dir)
         self._directory = directory
         self.tokenizer = HFTokenizer(
             AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
@@ -281,6 +283,11 @@ class VLLMEngine(Engine):
             llm.update_weights(weights)
         finally:
             llm.finish_weight_update()
+
+    def model_identity(self) -> ModelIdentity:
+        from echo2.models.identity import identity_of, model_label, read_config
+
+        return identity_of(model_label(self._spec), read_config(self._directory), self.tokenizer)
 
     def state_layout(self) -> TensorLayout:
         return dict(self._layout)

@@ -5,6 +5,9 @@
 Writes ``DIR/NAME.key`` (public: share it, put it on the server's allow-list) and
 ``DIR/NAME.key_secret`` (both halves: keep it on the machine that owns the name, mode 0600).
 An existing pair is never overwritten.
+
+A sampler's name belongs to the first key welcomed under it in a run
+(``echo2.transport.peers``); one key per remote worker binds each worker's names to it.
 """
 
 from __future__ import annotations

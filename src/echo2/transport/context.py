@@ -178,9 +178,10 @@ def _apply_options(socket: zmq.Socket, socket_type: int, options: SocketOptions,
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     if socket_type == zmq.ROUTER:
-        # Unknown peers raise instead of vanishing; a restarted peer may reuse its id.
+        # Unknown peers raise instead of vanishing. Never ROUTER_HANDOVER: it lets any client
+        # evict a live connection by presenting its routing id, and libzmq can abort the
+        # process doing so (echo2.transport.peers); a restarted peer connects with a new id.
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     elif socket_type == zmq.XPUB:
         # A full subscriber makes send() raise Again instead of dropping silently.
         socket.setsockopt(zmq.XPUB_NODROP, 1)

@@ -31,6 +31,7 @@ from echo2.transport.context import Transport
 from echo2.transport.endpoint import (
     RouterEndpoint,
 )
+from echo2.transport.peers import PeerTable, Refusal
 from echo2.weights.chunks import (
     DEFAULT_CHUNK_BYTES,
     iter_chunks,
@@ -126,6 +127,10 @@ class WeightBroadcaster:
         self._changed = asyncio.Condition()
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
+        # Who holds each sampler name on the control channel; a contested name is retried
+        # by the subscription lease itself, so the retry hint is unused here.
+        self._peers = PeerTable(control, server_id=name, retry_after_s=member_ttl_s)
+        self.unbound_dropped: dict[str, int] = {}
         self.shm_dir = shm_dir
         self.shm_id = shm_identity(shm_dir)
         self._shm_files: list[str] = []
@@ -215,13 +220,30 @@ class WeightBroadcaster:
         while True:
             for peer, message in await self._control.recv_many():
                 if isinstance(message, WeightSubscribe):
+                    outcome = await self._peers.claim(peer, message.sampler_id)
+                    if isinstance(outcome, Refusal):
+                        # No answer: the subscription repeats, and once the connection
+                        # holding the name is gone (a restart's old one) the claim succeeds.
+                        log.warning("%s: subscription refused: %s", self.name, outcome.message)
+                        continue
                     await self._on_subscribe(peer, message)
-                elif isinstance(message, ChunkRequest):
-                    self.counters["repair_requests"] += 1
-                    self._repairs.put_nowait((peer, message))
-                elif isinstance(message, WeightsInstalled):
-                    self._on_installed(message)
+                elif isinstance(message, ChunkRequest | WeightsInstalled):
+                    # Served only on the connection that holds the name the message carries:
+                    # repairs are sent to members, and installs measure T_bcast.
+                    if not self._peers.holds(peer, message.sampler_id):
+                        kind = type(message).__name__
+                        self.unbound_dropped[kind] = self.unbound_dropped.get(kind, 0) + 1
+                    elif isinstance(message, ChunkRequest):
+                        self.counters["repair_requests"] += 1
+                        self._repairs.put_nowait((peer, message))
+                    else:
+                        self._on_installed(message)
             await self._notify()
+
+    @property
+    def refused_subscribers(self) -> dict[str, int]:
+        """Subscriptions refused, by ``RefusalReason`` (``echo2.transport.peers``)."""
+        return dict(self._peers.refused)
 
     async def _on_subscribe(self, peer: bytes, message: WeightSubscribe) -> None:
         now = time.monotonic()
