@@ -58,6 +58,8 @@ class JobResult:
     summary: dict[str, Any]
     installs: dict[str, list[int]]
     """Sampler -> versions it installed, in order."""
+    install_times: dict[str, list[tuple[int, float]]]
+    """Sampler -> (version, unix seconds it was installed), in order."""
     published: list[int]
     """Versions the publisher broadcast (its ``broadcast`` records), in order."""
     broadcasts: list[dict[str, Any]]
@@ -196,10 +198,12 @@ def _collect(
     summary_path = learner_run.summary_path
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     installs: dict[str, list[int]] = {}
+    install_times: dict[str, list[tuple[int, float]]] = {}
     stats: dict[str, dict[str, Any]] = {}
     for record in learner_run.metrics(OBSERVER):
         if record["kind"] == "install":
             installs.setdefault(record["sampler"], []).append(int(record["version"]))
+            install_times.setdefault(record["sampler"], []).append((int(record["version"]), float(record["unix_s"])))
         elif record["kind"] == "stats":
             stats[record["actor"]] = record
     broadcasts = [r for run in run_dirs.values() for r in RunDir(run).all_metrics("broadcast")]
@@ -213,6 +217,7 @@ def _collect(
         run_dirs=run_dirs,
         summary=summary,
         installs=installs,
+        install_times=install_times,
         published=[int(b["version"]) for b in broadcasts],
         broadcasts=broadcasts,
         step_unix_s={int(r["step"]): float(r["unix_s"]) for r in steps},

@@ -31,6 +31,7 @@ _PROBE = struct.Struct("!Id")  # sequence number, send time (monotonic)
 def udp_echo(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("0.0.0.0", port))
+        print("ready", flush=True)
         while True:
             data, peer = sock.recvfrom(2048)
             sock.sendto(data, peer)
@@ -71,6 +72,7 @@ def tcp_sink(port: int) -> None:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("0.0.0.0", port))
         server.listen(1)
+        print("ready", flush=True)
         conn, _ = server.accept()
         with conn:
             total = 0
@@ -123,6 +125,17 @@ if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
 
 
+def _start_server(bed: Bed, host: str, args: list[str]) -> subprocess.Popen[str]:
+    """Start a probe server in ``host``'s namespace and wait for its "ready" (bound) line."""
+    proc = bed.popen(host, [sys.executable, "-m", "benchmarks.wan.probe", *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"probe server {args} did not start in {host}")
+    return proc
+
+
 def validate(
     bed: Bed, server: str, client: str, *, pings: int = 400, gap_ms: float = 5.0, bulk_s: float = 4.0
 ) -> dict[str, Any]:
@@ -132,9 +145,8 @@ def validate(
     """
     a, b = bed.hosts[server], bed.hosts[client]
     py = sys.executable
-    echo = bed.popen(server, [py, "-m", "benchmarks.wan.probe", "udp-echo", "9901"])
+    echo = _start_server(bed, server, ["udp-echo", "9901"])
     try:
-        time.sleep(0.3)  # the echo server's bind: a lost first probe only costs a count
         ping = subprocess.run(
             ["ip", "netns", "exec", b.namespace, py, "-m", "benchmarks.wan.probe", "udp-ping", a.address, "9901", str(pings), str(gap_ms)],
             capture_output=True, text=True, check=True, cwd=REPO_ROOT, env=bed.env(),
@@ -142,14 +154,18 @@ def validate(
     finally:
         echo.kill()
         echo.wait()
-    sink = bed.popen(client, [py, "-m", "benchmarks.wan.probe", "tcp-sink", "9902"])
+    sink = _start_server(bed, client, ["tcp-sink", "9902"])
     try:
         bulk = subprocess.run(
             ["ip", "netns", "exec", a.namespace, py, "-m", "benchmarks.wan.probe", "tcp-send", b.address, "9902", str(bulk_s)],
             capture_output=True, text=True, check=True, cwd=REPO_ROOT, env=bed.env(),
         )  # fmt: skip
     finally:
-        sink.wait(timeout=10)
+        try:
+            sink.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            sink.kill()
+            sink.wait()
     rtt, goodput = json.loads(ping.stdout), json.loads(bulk.stdout)
     one_way_loss = 1 - (1 - a.shape.loss) * (1 - b.shape.loss)
     rates = [s.rate_mbit for s in (a.shape, b.shape) if s.rate_mbit > 0]
