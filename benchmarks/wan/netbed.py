@@ -234,7 +234,9 @@ class Bed:
         )  # fmt: skip
 
     def _exec(self, ns: str, argv: Sequence[str]) -> None:
-        done = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, cwd=REPO_ROOT)
+        done = subprocess.run(
+            ["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, cwd=REPO_ROOT, env=self.env()
+        )
         if done.returncode != 0:
             raise RuntimeError(f"in {ns}: {' '.join(argv)}: {done.stderr.strip()}")
 

@@ -14,6 +14,7 @@ the figure is goodput, not what sat in socket buffers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import statistics
@@ -136,6 +137,14 @@ def _start_server(bed: Bed, host: str, args: list[str]) -> subprocess.Popen[str]
     return proc
 
 
+def _stop_server(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
 def validate(
     bed: Bed, server: str, client: str, *, pings: int = 400, gap_ms: float = 5.0, bulk_s: float = 4.0
 ) -> dict[str, Any]:
@@ -152,8 +161,7 @@ def validate(
             capture_output=True, text=True, check=True, cwd=REPO_ROOT, env=bed.env(),
         )  # fmt: skip
     finally:
-        echo.kill()
-        echo.wait()
+        _stop_server(echo)
     sink = _start_server(bed, client, ["tcp-sink", "9902"])
     try:
         bulk = subprocess.run(
@@ -161,11 +169,9 @@ def validate(
             capture_output=True, text=True, check=True, cwd=REPO_ROOT, env=bed.env(),
         )  # fmt: skip
     finally:
-        try:
-            sink.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            sink.kill()
-            sink.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sink.wait(timeout=10)  # it exits once it has answered
+        _stop_server(sink)
     rtt, goodput = json.loads(ping.stdout), json.loads(bulk.stdout)
     one_way_loss = 1 - (1 - a.shape.loss) * (1 - b.shape.loss)
     rates = [s.rate_mbit for s in (a.shape, b.shape) if s.rate_mbit > 0]
