@@ -13,6 +13,7 @@ direction). Conditions (the issue 13 floors refer to them):
   wan200-reno   100 Mbit/s, 200 ms RTT, 1% loss, reno
   wan200-bbr    the same with bbr
   outage        wan50 with edge-b's link down for 12 s, from 30% of --seconds after the first step
+  kill          wan50 with edge-c's sampler process killed (SIGKILL) at 30%; its launcher restarts it
 
 Every condition trains for ``--seconds`` (the learner's ``max_wall_s``). Before them, the
 emulator is validated per link shape (UDP RTT and loss, TCP goodput under the cap). Per
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import struct
 import sys
 import time
 import tomllib
@@ -39,6 +41,8 @@ from benchmarks.wan.job import JobResult, Outage, median, run_job
 from benchmarks.wan.netbed import REPO_ROOT, Bed, LinkShape, available
 from benchmarks.wan.probe import validate
 from echo2.capacity.model import predicted_bubble_ratio
+from echo2.rundir import RunDir
+from echo2.weights.chunks import DEFAULT_CHUNK_BYTES
 
 TOPOLOGY = REPO_ROOT / "examples" / "multihost.toml"
 LEARNER_HOST = "learner"
@@ -62,6 +66,7 @@ CONDITIONS = {
         Condition("wan200-reno", _WAN200, "reno"),
         Condition("wan200-bbr", _WAN200, "bbr"),
         Condition("outage", _WAN50, "reno", Outage("edge-b", after_s=0.3, duration_s=12.0)),
+        Condition("kill", _WAN50, "reno", Outage("edge-c", after_s=0.3, kind="kill")),
     )
 }
 
@@ -85,12 +90,24 @@ def job_overrides(seconds: float) -> list[str]:
     ]
 
 
-def analyse(result: JobResult, mu_pool_unshaped: float | None) -> dict[str, Any]:
+def _version_bytes(result: JobResult) -> int:
+    """Bytes of one weight version: the tensors of the learner's final checkpoint."""
+    for checkpoint in reversed(RunDir(result.run_dirs[LEARNER_HOST]).checkpoint_dirs()):
+        path = checkpoint / "model.safetensors"
+        if path.exists():
+            with path.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            return sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    return max((int(b["bytes"]) for b in result.broadcasts), default=0)
+
+
+def analyse(result: JobResult) -> dict[str, Any]:
     s = result.summary
     kappa = int(s.get("kappa", 1) or 1)
     steps = int(s.get("steps", 0))
     published = list(range(kappa, steps + 1, kappa))
-    version_bytes = max((int(b["bytes"]) for b in result.broadcasts), default=0)
+    version_bytes = _version_bytes(result)
     per_sampler = {}
     for sampler, versions in sorted(result.installs.items()):
         latencies = [
@@ -106,16 +123,23 @@ def analyse(result: JobResult, mu_pool_unshaped: float | None) -> dict[str, Any]
         }
     t_bcast = [float(b["t_bcast_s"]) for b in result.broadcasts if b.get("t_bcast_s") is not None]
     t_train = float(s.get("train_s_mean", 0.0))
-    groups = len(result.accepted)
-    train_wall = float(s.get("wall_s", 0.0))
-    mu_pool = groups * _group_size() / train_wall if train_wall else 0.0
-    mu_ref = mu_pool_unshaped or mu_pool
+    # The pool's capacity: each sampler's rollouts per second of generating (the scheduler's
+    # mu_i), summed; rollouts delivered per second of the run would only measure demand.
+    mu_pool = sum(
+        float(st["samples_generated"]) / float(st["generate_s"])
+        for st in result.stats.values()
+        if st.get("type") == "SamplerStats" and float(st.get("generate_s", 0.0)) > 0
+    )
     predicted = None
-    if t_bcast and t_train > 0 and mu_ref > 0:
-        r = _group_size() * _groups_per_step()
+    if t_bcast and t_train > 0 and mu_pool > 0:
         predicted = predicted_bubble_ratio(
-            R=r, T_train_s=t_train, T_bcast_s=median(t_bcast) or 0.0, kappa=kappa, mu_pool=mu_ref
+            R=_group_size() * _groups_per_step(),
+            T_train_s=t_train,
+            T_bcast_s=median(t_bcast) or 0.0,
+            kappa=kappa,
+            mu_pool=mu_pool,
         )
+    publisher = result.stats.get("weight_publisher", {})
     return {
         "steps": steps,
         "stopped_by": s.get("stopped_by"),
@@ -134,6 +158,9 @@ def analyse(result: JobResult, mu_pool_unshaped: float | None) -> dict[str, Any]
         },
         "relay_drops": {h: {k: v for k, v in c.items() if k.endswith("drops") and v} for h, c in result.relay.items()},
         "weight_path": {a: _weight_counters(st) for a, st in sorted(result.stats.items())},
+        # Bytes actually missing at the receivers are not counted anywhere (issue 13); the
+        # repair side is: chunks re-sent times the chunk size.
+        "repair_mbytes_sent": round(int(publisher.get("repair_chunks_sent", 0)) * DEFAULT_CHUNK_BYTES / 1e6, 1),
         "exit_codes": result.exit_codes,
         "exit_after_learner_s": result.exit_after_learner_s,
         "outage": _recovery(result),
@@ -156,7 +183,7 @@ def _weight_counters(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recovery(result: JobResult) -> dict[str, Any] | None:
-    """For an outage: when the edge's sampler delivered and got trained again after the link returned."""
+    """For an outage or a kill: when the edge's sampler delivered and got trained again after it."""
     if result.outage is None:
         return None
     host, up = str(result.outage["host"]), float(result.outage["up_unix_s"])
@@ -166,6 +193,7 @@ def _recovery(result: JobResult) -> dict[str, Any] | None:
     trained = sorted(float(e["t"]) for e in result.trained if e["task"] in tasks)
     return {
         "host": host,
+        "kind": result.outage["kind"],
         "sampler": sampler,
         "down_s": round(up - float(result.outage["down_unix_s"]), 1),
         "first_accepted_after_up_s": _round(after[0] - up) if after else None,
@@ -196,7 +224,7 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
     if outage is not None:  # after_s is a fraction of the training time here
         outage = dataclasses.replace(outage, after_s=outage.after_s * seconds)
     with Bed(hosts, congestion_control=condition.congestion_control, seed=len(condition.name)) as bed:
-        validation = validate(bed, LEARNER_HOST, "edge-a") if probe else None
+        validation = validate(bed, LEARNER_HOST, "edge-a", pings=2000, gap_ms=1.0) if probe else None
         result = run_job(
             bed,
             TOPOLOGY,
@@ -212,7 +240,7 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"{'condition':<12} {'steps':>5} {'idle':>6} {'pred':>6} {'T_bcast':>7} {'pub':>4} "
-        f"{'installed a/b/c':>16} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5}"
+        f"{'installed a/b/c':>16} {'back after s':>12} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5}"
     ]
     for name, r in rows.items():
         samplers = r["samplers"]
@@ -222,9 +250,10 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             f"{r['exit_codes'].get(h)}@{_fmt(r['exit_after_learner_s'].get(h))}"
             for h in ("learner", "edge-a", "edge-b", "edge-c")
         )
+        back = r["outage"]["first_trained_after_up_s"] if r["outage"] else None
         lines.append(
             f"{name:<12} {r['steps']:>5} {_fmt(r['learner_idle_fraction']):>6} {_fmt(r['predicted_idle_fraction']):>6} "
-            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {good:>22} {exits:>24} {r['audit_exit']:>5}"
+            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {_fmt(back):>12} {good:>22} {exits:>24} {r['audit_exit']:>5}"
         )
     return "\n".join(lines)
 
@@ -249,13 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir / time.strftime("%Y%m%d-%H%M%S")
     raw: dict[str, dict[str, Any]] = {}
     rows: dict[str, dict[str, Any]] = {}
-    mu_unshaped = None
     for name in args.conditions:
         print(f"benchmarks.wan: {name} ...", file=sys.stderr, flush=True)
         raw[name] = run_condition(CONDITIONS[name], args.seconds, work, probe=not args.no_validate)
-        rows[name] = analyse(raw[name]["result"], mu_unshaped)
-        if name == "unshaped":
-            mu_unshaped = rows[name]["mu_pool_rollouts_per_s"]
+        rows[name] = analyse(raw[name]["result"])
         if raw[name]["validation"] is not None:
             print(f"  emulator: {json.dumps(raw[name]['validation'])}", file=sys.stderr)
         print(f"  {json.dumps(rows[name])}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -22,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks.wan.netbed import Bed, wait_for
 from echo2 import ledger
@@ -42,11 +43,14 @@ process = "{{process}}"
 
 @dataclasses.dataclass(frozen=True)
 class Outage:
-    """Take ``host``'s link down ``after_s`` after the learner's first step, for ``duration_s``."""
+    """``after_s`` after the learner's first step: ``host``'s link down for ``duration_s``
+    (``kind = "link"``), or SIGKILL to the process holding ``host``'s sampler (``"kill"``;
+    its launcher restarts it if its process says ``restart = "on-failure"``)."""
 
     host: str
     after_s: float
-    duration_s: float
+    duration_s: float = 0.0
+    kind: Literal["link", "kill"] = "link"
 
 
 @dataclasses.dataclass
@@ -71,7 +75,7 @@ class JobResult:
     relay: dict[str, dict[str, int]]
     stats: dict[str, dict[str, Any]]
     """Last statistics record of each sampler and publisher (the observer's)."""
-    outage: dict[str, float] | None
+    outage: dict[str, Any] | None
     audit: dict[str, Any]
     wall_s: float
 
@@ -104,10 +108,10 @@ def run_job(
             argv += ["--set", override]
         procs[host] = bed.popen(host, argv, stdout=outputs[host], stderr=subprocess.STDOUT)
     learner = procs[learner_host]
-    outage_times: dict[str, float] | None = None
+    outage_times: dict[str, Any] | None = None
     try:
         if outage is not None:
-            outage_times = _outage(bed, job_dir / learner_host, learner, outage, timeout_s)
+            outage_times = _outage(bed, job_dir, learner_host, learner, outage, timeout_s)
         learner.wait(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
         learner_exit = time.monotonic()
         exit_after: dict[str, float | None] = {learner_host: 0.0}
@@ -160,9 +164,10 @@ def _only_run_dir(parent: Path) -> Path:
 
 
 def _outage(
-    bed: Bed, learner_runs: Path, learner: subprocess.Popen[Any], outage: Outage, timeout_s: float
-) -> dict[str, float]:
-    """Wait for the learner's first step, then take the link down and up again."""
+    bed: Bed, job_dir: Path, learner_host: str, learner: subprocess.Popen[Any], outage: Outage, timeout_s: float
+) -> dict[str, Any]:
+    """Wait for the learner's first step, then take the link down and up again, or kill."""
+    learner_runs = job_dir / learner_host
 
     def first_step() -> float | None:
         for record in read_jsonl_files(learner_runs.glob("*/metrics/learner.jsonl")):
@@ -177,10 +182,15 @@ def _outage(
         raise RuntimeError("the learner exited before its first step")
     time.sleep(max(0.0, first + outage.after_s - time.time()))  # wall-clock schedule, not a handshake
     down = time.time()
-    bed.set_link(outage.host, up=False)
-    time.sleep(outage.duration_s)
-    bed.set_link(outage.host, up=True)
-    return {"host": outage.host, "down_unix_s": down, "up_unix_s": time.time()}  # type: ignore[dict-item]
+    if outage.kind == "kill":
+        pids = json.loads(RunDir(_only_run_dir(job_dir / outage.host)).pids_path.read_text())["processes"]
+        (pid,) = (pid for name, pid in pids.items() if name.startswith("sampler"))
+        os.kill(pid, signal.SIGKILL)  # a PID its launcher started and recorded
+    else:
+        bed.set_link(outage.host, up=False)
+        time.sleep(outage.duration_s)
+        bed.set_link(outage.host, up=True)
+    return {"host": outage.host, "kind": outage.kind, "down_unix_s": down, "up_unix_s": time.time()}
 
 
 def _collect(
@@ -191,7 +201,7 @@ def _collect(
     exit_after: dict[str, float | None],
     link_bytes: dict[str, dict[str, int]],
     relay: dict[str, dict[str, int]],
-    outage: dict[str, float] | None,
+    outage: dict[str, Any] | None,
     wall_s: float,
 ) -> JobResult:
     learner_run = RunDir(run_dirs[learner_host])

@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-from echo2.actor import Actor, ActorConfig, Port, until_stopping
+from echo2.actor import Actor, ActorConfig, ActorContext, Port, until_stopping
 from echo2.messages import (
     HEARTBEAT_TOPIC,
     INSTALLED_TOPIC,
@@ -40,7 +40,7 @@ class WanObserver(Actor):
         "telemetry": Port("sub", bind=True, channel=TELEMETRY_CHANNEL, on_full="drop"),
     }
 
-    async def setup(self, ctx) -> None:  # type: ignore[no-untyped-def]
+    async def setup(self, ctx: ActorContext) -> None:
         await super().setup(ctx)
         self._in = ctx.open("telemetry", subscribe=[HEARTBEAT_TOPIC, INSTALLED_TOPIC])
         self._last_stats: dict[str, float] = {}

@@ -93,7 +93,7 @@ def tcp_send(host: str, port: int, seconds: float) -> dict[str, float]:
         sock.shutdown(socket.SHUT_WR)
         (received,) = struct.unpack("!Q", _recv_exact(sock, 8))
         elapsed = time.monotonic() - start
-    return {"bytes": received, "seconds": elapsed, "goodput_mbit": received * 8 / elapsed / 1e6, "cc": cc}  # type: ignore[dict-item]
+    return {"bytes": received, "seconds": elapsed, "goodput_mbit": received * 8 / elapsed / 1e6, "cc": cc}
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
