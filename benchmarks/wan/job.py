@@ -3,7 +3,7 @@
 ``run_job`` copies the topology into the job's directory with one more actor on the
 learner's host (``observer.WanObserver``, which records sampler installs and weight-path
 counters that only telemetry carries), starts every host's launcher in its namespace
-(each with its own ``--run-dir``, as on separate machines), optionally takes one host's
+(each with its own ``--run-dir`` and run name, as on separate machines), optionally takes one host's
 link down for a while once training has started, waits for the learner's launcher, gives
 the others ``exit_grace_s`` to follow (then SIGTERM: the bed measures, it does not wait
 for ``run.deadline_s``), and returns a ``JobResult``: every launcher's exit code and how
@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -101,9 +102,15 @@ def run_job(
     before = bed.link_bytes()
     relay_before = bed.relay_counters()
     started = time.monotonic()
+    run_name = tomllib.loads(topology.read_text()).get("run", {}).get("name", "echo2")
     for host in hosts:
         outputs[host] = open(job_dir / f"{host}.out", "w")  # closed below
         argv = [sys.executable, "-m", "echo2.launch", str(derived), "--host", host, "--run-dir", str(job_dir / host)]
+        # The namespaces share one /tmp, and a run's ipc directory is /tmp/echo2-<run id>,
+        # which a launcher removes when its processes are gone: launchers started in the
+        # same second would share it. A name per host keeps them apart, as separate
+        # machines are (nothing across hosts depends on the run's name).
+        argv += ["--set", f'run.name="{run_name}-{host}"']
         for override in overrides:
             argv += ["--set", override]
         procs[host] = bed.popen(host, argv, stdout=outputs[host], stderr=subprocess.STDOUT)
