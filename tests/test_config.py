@@ -157,8 +157,11 @@ def test_a_custom_task_resolves_at_load(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
 def test_examples_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(path), "--dry-run"]) == 0, capsys.readouterr().err
-    assert '"run_id": ' in capsys.readouterr().out
+    hosts = list(load_topology(path).hosts)
+    # A multi-host example names no host of this machine: each host's launcher is started with --host.
+    for host_args in [[]] if len(hosts) == 1 else [["--host", host] for host in hosts]:
+        assert main([str(path), "--dry-run", *host_args]) == 0, capsys.readouterr().err
+        assert '"run_id": ' in capsys.readouterr().out
 
 
 # -- every field has a one-line meaning ----------------------------------------------------
