@@ -513,7 +513,8 @@ class RelayPlan(Message, _Versioned, frozen=True):
     Chunk ``i`` belongs to stripe ``i % stripes``. A star is ``stripes = 1`` with one chain
     of one member per sampler; a relay is one chain of every sampler; striped relay is
     ``stripes`` chains of every sampler in rotated orders. ``addresses`` maps member ->
-    relay inbox address.
+    relay inbox address. ``publisher`` is the publisher's name: under ``[security]``, the
+    identity its chunk streams prove (a member's inbox admits it and its predecessors).
     """
 
     incarnation: int
@@ -521,6 +522,7 @@ class RelayPlan(Message, _Versioned, frozen=True):
     stripes: int
     chains: list[RelayChain]
     addresses: dict[str, str] = {}
+    publisher: str = ""
 
 
 class WeightShm(Message, _Versioned, frozen=True):

@@ -46,6 +46,7 @@ from echo2.weights.plan import (
     chunk_sender,
     relay_plan,
 )
+from echo2.weights.secure import StreamTLS
 from echo2.weights.shm import shm_identity, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,13 @@ class WeightBroadcaster:
         fault: Fault | None = None,
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
         shm_dir: str | None = None,
+        stream_tls: StreamTLS | None = None,
     ) -> None:
         """``shm_dir``: where versions for members sharing this host are written (None:
-        never; every member then gets chunks)."""
+        never; every member then gets chunks). ``stream_tls`` (``[security]``): chunk
+        streams go out in mutual TLS as the identity it holds, to the member each plan
+        names (``echo2.weights.secure``)."""
+        self.stream_tls = stream_tls
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
@@ -361,6 +366,7 @@ class WeightBroadcaster:
             stripes=stripes,
             chains=chains,
             addresses=addresses,
+            publisher=self.stream_tls.identity if self.stream_tls is not None else "",
         )
         for name in remote:
             member = self._members[name]
@@ -404,16 +410,23 @@ class WeightBroadcaster:
                 out = chunk if self._fault is None else self._fault(seed, chunk)
                 if out is None:
                     continue
-                if not await self._push_chunk(addresses[seed], out):
+                if not await self._push_chunk(seed, addresses[seed], out):
                     dead.add(seed)
 
-    async def _push_chunk(self, address: str, chunk: WeightChunk) -> bool:
+    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk) -> bool:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
-        if push is None or push.closed:
-            push = chunk_sender(self._transport, f"{self.name}.seed", address, self.chunk_bytes)
-            self._pushes[address] = push
         try:
+            if push is None or push.closed:
+                push = chunk_sender(
+                    self._transport,
+                    f"{self.name}.seed",
+                    address,
+                    self.chunk_bytes,
+                    tls=self.stream_tls.client if self.stream_tls is not None else None,
+                    peer=member,
+                )
+                self._pushes[address] = push
             async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for
                 sent = await push.send(chunk)
         except (TimeoutError, ClosedError, TransportError):
@@ -424,7 +437,8 @@ class WeightBroadcaster:
             return True
         self.counters["send_failures"] += 1
         self._pushes.pop(address, None)
-        push.close()
+        if push is not None:
+            push.close()
         return False
 
     # -- repair ----------------------------------------------------------------------

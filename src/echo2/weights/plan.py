@@ -13,9 +13,11 @@ import logging
 import math
 import os
 import socket
+import ssl
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from echo2.errors import TransportError
 from echo2.messages import (
     RelayChain,
 )
@@ -55,10 +57,27 @@ ChunkSender = PushEndpoint | ChunkStreamSender
 """Where chunks go to a relay inbox: ``await send(chunk)``, ``close()``, ``closed``."""
 
 
-def chunk_sender(transport: Transport, name: str, address: str, chunk_bytes: int) -> ChunkSender:
-    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ)."""
+def chunk_sender(
+    transport: Transport,
+    name: str,
+    address: str,
+    chunk_bytes: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    peer: str = "",
+) -> ChunkSender:
+    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ).
+
+    With ``tls`` (``[security]``) a chunk stream is TLS to the member ``peer``, and an
+    inbox on another host that is not a chunk stream is refused (``TransportError``):
+    weights never cross a network in the clear.
+    """
     if is_stream_address(address):
-        return ChunkStreamSender(address)
+        return ChunkStreamSender(address, tls=tls, peer=peer)
+    if tls is not None and address.startswith("tcp://"):
+        raise TransportError(
+            f"{name}: {address} is a plain ZeroMQ inbox; under [security] weights go only to TLS streams"
+        )
     return transport.push(
         name=f"{name}->{address}",
         connect=[address],

@@ -51,6 +51,7 @@ from echo2.weights.plan import (
     max_message_bytes,
     relay_bind_url,
 )
+from echo2.weights.secure import StreamTLS
 from echo2.weights.shm import map_snapshot, shm_identity
 from echo2.weights.stream import SCHEME as STREAM_SCHEME
 from echo2.weights.stream import (
@@ -98,9 +99,17 @@ class WeightReceiver:
         prefault_next: bool = True,
         data_plane: str = "stream",
         shm_dir: str | None = None,
+        stream_tls: StreamTLS | None = None,
     ) -> None:
+        """``stream_tls`` (``[security]``): the relay inbox is a mutual-TLS chunk stream that
+        admits only the plan's publisher and this member's predecessors, and chunks are
+        forwarded in TLS to the successor the plan names (``echo2.weights.secure``)."""
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        if stream_tls is not None and data_plane != "stream":
+            raise ValueError("under [security] the relay inbox must be a chunk stream (data_plane='stream')")
+        self.stream_tls = stream_tls
+        self._previous_plan: RelayPlan | None = None
         self.data_plane = data_plane
         self.shm_id = shm_identity(shm_dir)
         self._shm_offer: WeightShm | None = None
@@ -134,6 +143,7 @@ class WeightReceiver:
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
         self._successors: dict[int, str] = {}
+        self._successor_names: dict[str, str] = {}  # address -> member, to check its identity
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
@@ -183,6 +193,9 @@ class WeightReceiver:
                 self._stream_destination,
                 self._stream_abandon,
                 max_chunk_bytes=max_message_bytes(64 << 20),
+                tls=self.stream_tls.server if self.stream_tls is not None else None,
+                admit=self._admits,
+                admit_wait_s=self.gap_timeout_s,
             )
             port = listener.getsockname()[1]
             tcp = announce_url(f"tcp://*:{port}", control_url, self._relay_host)
@@ -211,10 +224,10 @@ class WeightReceiver:
     async def run(self) -> None:
         if self._inbox is None and self._stream is None:
             self.open()
-        if self._stream is not None and self._stream_socket is not None:
-            await self._stream.start_on(self._stream_socket)
         async with asyncio.TaskGroup() as group:
             self._group = group
+            if self._stream is not None and self._stream_socket is not None:
+                await self._stream.start_on(self._stream_socket, group)
             group.create_task(self._control_loop())
             group.create_task(self._relay_loop())
             group.create_task(self._announce_loop())
@@ -222,6 +235,22 @@ class WeightReceiver:
             group.create_task(self._forward_loop())
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
+
+    def _admits(self, identity: str) -> bool:
+        """May this verified peer stream to our inbox? The publisher, and our predecessor
+        in any chain of the current plan or the one before (a stream opened for the
+        previous version may be the first to carry the next)."""
+        for plan in (self._plan, self._previous_plan):
+            if plan is None:
+                continue
+            if identity and identity == plan.publisher:
+                return True
+            for chain in plan.chains:
+                members = chain.members
+                if self.name in members and members.index(self.name) > 0:
+                    if members[members.index(self.name) - 1] == identity:
+                        return True
+        return False
 
     def _stream_destination(self, key: PolicyVersion, index: int, nbytes: int) -> np.ndarray | None:
         assembler = self._assembler
@@ -339,7 +368,11 @@ class WeightReceiver:
         newest = self.newest()
         if newest is not None and key < newest:
             return
+        if self._plan is not None and self._plan.policy_version != key:
+            self._previous_plan = self._plan
         self._plan = plan
+        if self._stream is not None:
+            self._stream.readmit()  # peers waiting for the plan that names them
         if self.assembling == key:
             self._apply_plan()
 
@@ -347,6 +380,7 @@ class WeightReceiver:
         """Set successors for the assembling version and forward what is already held."""
         plan, assembler = self._plan, self._assembler
         self._successors = {}
+        self._successor_names = {}
         self._dead_successors = set()
         if plan is None or assembler is None or plan.policy_version != assembler.key:
             return
@@ -357,6 +391,7 @@ class WeightReceiver:
                     successor = plan.addresses.get(chain.members[at + 1], "")
                     if successor and successor != self.relay_address:
                         self._successors[chain.stripe] = successor
+                        self._successor_names[successor] = chain.members[at + 1]
         # Chunks that landed before the plan still go down the chain.
         # (Their bytes are in the assembler's buffer, which is never written again.)
         for index in assembler.held():
@@ -544,7 +579,14 @@ class WeightReceiver:
     def _push(self, address: str) -> ChunkSender:
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20)
+            push = chunk_sender(
+                self._transport,
+                f"{self.name}.relay",
+                address,
+                64 << 20,
+                tls=self.stream_tls.client if self.stream_tls is not None else None,
+                peer=self._successor_names.get(address, ""),
+            )
             self._pushes[address] = push
         return push
 

@@ -20,6 +20,12 @@ needs no trust in its peer. A frame that is not one (bad magic or format, or a b
 ``max_chunk_bytes``) is counted and its connection closed; the receiver keeps running and
 the chunks it lost are repaired like any others.
 
+Under ``[security]`` the same frames travel inside mutual TLS (``tls`` on both ends,
+``echo2.weights.secure``): the server admits a verified peer only if ``admit`` says its
+identity may send to this inbox (the publisher, or a predecessor in the current plan); a
+peer with no valid certificate fails the handshake, and both are counted
+(``refused_handshake``, ``refused_identity``), logged once per peer, and closed.
+
 Addresses are ``chunkstream://host:port``; ``WeightReceiver`` announces one in place of a
 ZeroMQ inbox and senders pick the transport by the scheme.
 """
@@ -27,15 +33,19 @@ ZeroMQ inbox and senders pick the transport by the scheme.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
+import ssl
 import struct
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import PolicyVersion, WeightChunk
+from echo2.weights.secure import peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,16 @@ Destination = Callable[[PolicyVersion, int, int], "np.ndarray | None"]
 """(version, index, nbytes) -> the uint8 memory to receive that chunk into, or None (the
 receiver then reads it into a fresh buffer). Memory handed out is returned either as a
 delivered chunk or through ``abandon`` (connection lost mid-body)."""
+
+Admit = Callable[[str], bool]
+"""TLS only: may the peer with this verified identity deliver chunks now? False may turn
+True later (the plan naming it is on its way): see ``ChunkStreamServer.readmit``."""
+
+
+def _peer_address(transport: asyncio.BaseTransport) -> str:
+    """The peer's host (no port: refusals are logged once per peer, not per connection)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
 def is_stream_address(address: str) -> bool:
@@ -84,6 +104,10 @@ class _Connection(asyncio.BufferedProtocol):
         self._server._connections.add(self)
         if self._server._paused:
             transport.pause_reading()
+
+    def admitted(self, transport: asyncio.Transport) -> None:
+        """TLS: the handshake is done and the peer admitted; frames may flow."""
+        self.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._connections.discard(self)
@@ -137,6 +161,28 @@ class _Connection(asyncio.BufferedProtocol):
             server._deliver(chunk)
 
 
+class _TlsAccept(asyncio.Protocol):
+    """A TCP connection to a TLS inbox before its handshake: not a byte is read here."""
+
+    def __init__(self, server: ChunkStreamServer) -> None:
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the ClientHello is for start_tls, which resumes reading
+        self._server._handshake_soon(transport)
+
+
+@dataclasses.dataclass
+class _Parked:
+    """An authenticated connection waiting for the plan that names its peer."""
+
+    connection: _Connection
+    transport: asyncio.Transport
+    identity: str
+    deadline_s: float
+
+
 class ChunkStreamServer:
     """Accepts chunk streams; ``on_chunk`` gets each complete chunk, in arrival order per
     connection. ``destination`` chooses where each body lands (see ``Destination``).
@@ -144,6 +190,12 @@ class ChunkStreamServer:
     Flow control: when more than ``max_pending`` delivered chunks wait to be taken
     (``taken()``), every connection stops reading until the backlog halves, so a slow
     consumer pushes back on its senders through TCP instead of growing memory.
+
+    With ``tls`` (a server context that requires client certificates) every connection is
+    handshaken in a task of the ``group`` given to ``start``/``start_on``, then ``admit``
+    is asked about the peer's identity; a peer not admitted waits, not reading, up to
+    ``admit_wait_s`` for a ``readmit()`` that admits it (a relay plan naming it may
+    arrive after its stream), and is refused after that.
     """
 
     def __init__(
@@ -154,7 +206,21 @@ class ChunkStreamServer:
         *,
         max_chunk_bytes: int = 64 << 20,
         max_pending: int = 32,
+        tls: ssl.SSLContext | None = None,
+        admit: Admit | None = None,
+        admit_wait_s: float = 2.0,
+        handshake_timeout_s: float = 10.0,
     ) -> None:
+        if tls is not None and tls.verify_mode != ssl.CERT_REQUIRED:
+            raise ValueError("a chunk stream's TLS context must require peer certificates")
+        self.tls = tls
+        self._admit = admit if admit is not None else (lambda identity: True)
+        self.admit_wait_s = admit_wait_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self._group: asyncio.TaskGroup | None = None
+        self._parked: list[_Parked] = []
+        self._handshaking: set[asyncio.Transport] = set()
+        self._refused_logged: set[str] = set()
         self._on_chunk = on_chunk
         self._destination = destination
         self._abandon = abandon
@@ -165,20 +231,105 @@ class ChunkStreamServer:
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self.counters = dict.fromkeys(
-            ("chunks_in_place", "chunks_copied", "reads", "malformed", "frames_truncated", "pauses"), 0
+            (
+                "chunks_in_place",
+                "chunks_copied",
+                "reads",
+                "malformed",
+                "frames_truncated",
+                "pauses",
+                "tls_admitted",
+                "refused_handshake",
+                "refused_identity",
+            ),
+            0,
         )
 
-    async def start(self, host: str, port: int = 0) -> int:
+    def _protocol(self) -> asyncio.BaseProtocol:
+        return _Connection(self) if self.tls is None else _TlsAccept(self)
+
+    def _use(self, group: asyncio.TaskGroup | None) -> None:
+        if self.tls is not None and group is None:
+            raise ValueError("a TLS chunk stream server needs a TaskGroup for its handshakes")
+        self._group = group
+
+    async def start(self, host: str, port: int = 0, group: asyncio.TaskGroup | None = None) -> int:
         """Listen on ``host:port``; returns the bound port."""
+        self._use(group)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self._server = await loop.create_server(self._protocol, host, port)
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def start_on(self, listener: socket.socket) -> None:
+    async def start_on(self, listener: socket.socket, group: asyncio.TaskGroup | None = None) -> None:
         """Serve on a socket already bound and listening (bound early, served later);
         the server owns it from now on."""
+        self._use(group)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), sock=listener)
+        self._server = await loop.create_server(self._protocol, sock=listener)
+
+    # -- TLS: handshake and admission --------------------------------------------------
+
+    def _handshake_soon(self, transport: asyncio.Transport) -> None:
+        if self._group is None or self._server is None:
+            transport.abort()  # closed meanwhile
+            return
+        self._handshaking.add(transport)
+        self._group.create_task(self._handshake(transport))
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        assert self.tls is not None
+        peer = _peer_address(transport)
+        connection = _Connection(self)
+        loop = asyncio.get_running_loop()
+        try:
+            secured = await loop.start_tls(
+                transport, connection, self.tls, server_side=True, ssl_handshake_timeout=self.handshake_timeout_s
+            )
+        except (OSError, TimeoutError, ConnectionError) as exc:  # ssl.SSLError is an OSError
+            self.counters["refused_handshake"] += 1
+            self._log_refusal(f"address {peer}", f"no valid certificate ({exc})")
+            transport.abort()
+            return
+        finally:
+            self._handshaking.discard(transport)
+        if secured is None:  # the peer closed during the handshake
+            transport.abort()
+            return
+        assert isinstance(secured, asyncio.Transport)
+        identity = peer_identity(secured.get_extra_info("ssl_object"))
+        if self._server is None:
+            secured.abort()
+        elif self._admit(identity):
+            self._accept(connection, secured)
+        else:
+            self._parked.append(_Parked(connection, secured, identity, time.monotonic() + self.admit_wait_s))
+            loop.call_later(self.admit_wait_s, self.readmit)
+
+    def _accept(self, connection: _Connection, transport: asyncio.Transport) -> None:
+        self.counters["tls_admitted"] += 1
+        connection.admitted(transport)
+
+    def readmit(self) -> None:
+        """Ask ``admit`` again about every waiting peer (call it when the plan changes);
+        refuse those whose wait is over."""
+        now = time.monotonic()
+        waiting, self._parked = self._parked, []
+        for parked in waiting:
+            if parked.transport.is_closing():
+                continue
+            if self._admit(parked.identity):
+                self._accept(parked.connection, parked.transport)
+            elif now >= parked.deadline_s - 1e-3:
+                self.counters["refused_identity"] += 1
+                self._log_refusal(f"{parked.identity!r}", "not the publisher or a predecessor in the plan")
+                parked.transport.abort()
+            else:
+                self._parked.append(parked)
+
+    def _log_refusal(self, who: str, why: str) -> None:
+        if who not in self._refused_logged:  # once per peer: a refused peer may retry forever
+            self._refused_logged.add(who)
+            log.warning("chunk stream: refused %s: %s", who, why)
 
     def _deliver(self, chunk: WeightChunk) -> None:
         self._pending += 1
@@ -213,6 +364,11 @@ class ChunkStreamServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for parked in self._parked:
+            parked.transport.abort()
+        self._parked.clear()
+        for transport in list(self._handshaking):
+            transport.abort()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.close()
@@ -226,13 +382,31 @@ class ChunkStreamSender:
     success and raises ``ClosedError``/``TransportError`` when the peer is gone; a caller
     that cancels a send (timeout) must ``close()`` it, as a half-written frame cannot be
     resumed.
+
+    With ``tls`` (a client context holding this actor's certificate) the stream is TLS and
+    ``peer``, when given, is the identity the inbox must prove (the member the plan names
+    at this address); another identity is a ``TransportError`` before any chunk leaves.
+    ``send`` then returns once the frame is encrypted and the transport's buffer is below
+    ``tls_buffer_bytes``.
     """
 
-    def __init__(self, address: str, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+        peer: str = "",
+        tls_buffer_bytes: int = 1 << 20,
+    ) -> None:
         self.address = address
         self._host, self._port = parse_address(address)
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
+        self.peer = peer
+        self.tls_buffer_bytes = tls_buffer_bytes
         self._sock: socket.socket | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self._lock = asyncio.Lock()
         self.closed = False
 
@@ -244,6 +418,12 @@ class ChunkStreamSender:
         loop = asyncio.get_running_loop()
         async with self._lock:
             try:
+                if self.tls is not None:
+                    writer = self._writer or await self._connect_tls()
+                    writer.write(header)
+                    writer.write(data)  # the snapshot's memory is never written again: no copy
+                    await writer.drain()
+                    return True
                 sock = self._sock or await self._connect(loop)
                 try:
                     sent = sock.sendmsg([header, data])  # one syscall when the kernel has room
@@ -254,7 +434,7 @@ class ChunkStreamSender:
                     sent = len(header)
                 if sent - len(header) < len(data):
                     await loop.sock_sendall(sock, data[sent - len(header) :])
-            except OSError as exc:
+            except OSError as exc:  # ssl.SSLError and ConnectionError included
                 self.close()
                 raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
         return True
@@ -274,11 +454,31 @@ class ChunkStreamSender:
         self._sock = sock
         return sock
 
+    async def _connect_tls(self) -> asyncio.StreamWriter:
+        async with asyncio.timeout(self.connect_timeout_s):
+            _, writer = await asyncio.open_connection(
+                self._host, self._port, ssl=self.tls, ssl_handshake_timeout=self.connect_timeout_s
+            )
+        identity = peer_identity(writer.get_extra_info("ssl_object"))
+        if self.peer and identity != self.peer:
+            writer.transport.abort()
+            self.close()
+            raise TransportError(f"chunk stream to {self.address}: the inbox is {identity!r}, not {self.peer!r}")
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.transport.set_write_buffer_limits(high=self.tls_buffer_bytes)
+        self._writer = writer
+        return writer
+
     def close(self) -> None:
         self.closed = True
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._writer is not None:
+            self._writer.transport.abort()  # a half-written frame cannot be finished anyway
+            self._writer = None
 
 
 __all__ = [
