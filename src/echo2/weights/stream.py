@@ -86,8 +86,12 @@ def parse_address(address: str) -> tuple[str, int]:
 class _Connection(asyncio.BufferedProtocol):
     """One inbound connection: header, then the body into its destination, repeat."""
 
-    def __init__(self, server: ChunkStreamServer) -> None:
+    def __init__(self, server: ChunkStreamServer, *, gated: bool = False) -> None:
         self._server = server
+        # TLS: bytes decrypted before the peer is admitted are held, not parsed (asyncio may
+        # deliver them before the handshake's waiter runs); admission replays them.
+        self._held: bytearray | None = bytearray() if gated else None
+        self._scratch = memoryview(bytearray(1 << 16)) if gated else memoryview(b"")
         self._header = bytearray(HEADER.size)
         self._header_view = memoryview(self._header)
         self._body: memoryview | None = None
@@ -108,6 +112,16 @@ class _Connection(asyncio.BufferedProtocol):
     def admitted(self, transport: asyncio.Transport) -> None:
         """TLS: the handshake is done and the peer admitted; frames may flow."""
         self.connection_made(transport)
+        held, self._held = self._held or bytearray(), None
+        view = memoryview(held)
+        while view and not transport.is_closing():
+            buffer = self.get_buffer(len(view))
+            n = min(len(buffer), len(view))
+            buffer[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
+        if not self._server._paused and not transport.is_closing():
+            transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._connections.discard(self)
@@ -122,11 +136,16 @@ class _Connection(asyncio.BufferedProtocol):
         return self._chunk is not None
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._held is not None:
+            return self._scratch
         if self._body is None:
             return self._header_view[self._got :]
         return self._body[self._got :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._held is not None:
+            self._held += self._scratch[:nbytes]
+            return
         self._server.counters["reads"] += 1
         self._got += nbytes
         if self._body is None:
@@ -279,7 +298,7 @@ class ChunkStreamServer:
     async def _handshake(self, transport: asyncio.Transport) -> None:
         assert self.tls is not None
         peer = _peer_address(transport)
-        connection = _Connection(self)
+        connection = _Connection(self, gated=True)
         loop = asyncio.get_running_loop()
         try:
             secured = await loop.start_tls(
@@ -296,6 +315,7 @@ class ChunkStreamServer:
             transport.abort()
             return
         assert isinstance(secured, asyncio.Transport)
+        secured.pause_reading()  # until admitted
         identity = peer_identity(secured.get_extra_info("ssl_object"))
         if self._server is None:
             secured.abort()
