@@ -289,3 +289,17 @@ def test_the_keys_tool_never_overwrites_a_certificate(keys: Path, capsys: pytest
     assert (keys / "s0.stream.crt").read_bytes() == before
     assert (keys / "s0.stream.key").stat().st_mode & 0o077 == 0
     assert (keys / "stream-ca.key").stat().st_mode & 0o077 == 0
+
+
+def test_dry_run_names_the_actor_whose_stream_certificate_is_missing(keys: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from echo2.launch import main as launch_main
+
+    root = Path(__file__).resolve().parents[1]
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        (root / "examples" / "topology.toml").read_text() + f'\n[security]\ncurve = true\nkeys_dir = "{tmp_path}"\n'
+    )
+    assert launch_main([str(topology), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "security.stream_tls (actor " in err and "python -m echo2.keys --tls" in err

@@ -108,6 +108,7 @@ class WeightPublisher(Actor):
             gamma=self.config.gamma,
             on_bcast=self._on_bcast,
             shm_dir=self.config.shm_dir or None,
+            stream_tls=ctx.stream_tls(),
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 
