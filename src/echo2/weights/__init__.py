@@ -2,7 +2,8 @@
 
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
 (relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
-``stream`` (chunk streams: bytes straight into place), ``shm`` (shared memory on one host),
+``stream`` (chunk streams: bytes straight into place), ``secure`` (mutual TLS on those
+streams under ``[security]``), ``shm`` (shared memory on one host),
 ``signing`` (Ed25519 manifests), ``link`` (link emulation: caps and latency).
 
 Two components on top of the pure chunk layer (``echo2.weights.chunks``):

@@ -15,15 +15,22 @@ signed by it. A process needs the CA certificate and its own pair; nothing else 
 distributed, and adding a worker means issuing one certificate. ECDSA P-256 keys; the
 cipher is what TLS 1.3 negotiates (AES-GCM, with AES-NI on every x86 host we run on).
 
-Why TLS and not CURVE on the data plane (measured by ``benchmarks/secure_streams.py``,
-loopback, uncapped, same run, medians; figures in its results JSON): a ZeroMQ PUSH/PULL
-with CURVE moves a version at a fraction of a plain chunk stream's rate, as every
-message is boxed with libsodium's XSalsa20-Poly1305 in one ZeroMQ I/O thread and then
-copied again into place; TLS 1.3 with AES-GCM stays near the plain stream's rate and
-keeps the stream's property that bodies are decrypted straight into the assembly
-buffer (asyncio's SSL transport calls a ``BufferedProtocol``'s ``get_buffer`` and
-``SSLObject.read`` writes into it). What TLS costs over a plain stream is the cipher
-and one more copy each way (the socket's bytes pass through OpenSSL's memory BIO).
+Why TLS and not CURVE on the data plane (``benchmarks/secure_streams.py``: 32 MB
+versions in 1 MB chunks, loopback, uncapped, same run, interleaved, medians of 5; 2
+shared cores; ``benchmarks/results/secure-streams-2026-12-01.json``): TLS 0.31x and
+CURVE (ZeroMQ PUSH/PULL) 0.27x the plain chunk stream (plain ZeroMQ: 0.63x); an
+earlier run gave 0.29x and 0.33x. Neither meets issue 14's 0.7x floor on this machine.
+They cost the same, so the choice rests on the rest: TLS keeps the stream's bodies
+landing in place (asyncio's SSL transport calls our ``BufferedProtocol``'s
+``get_buffer`` and ``SSLObject.read`` decrypts into it; CURVE adds a copy out of each
+ZeroMQ frame), identifies peers by the names plans are made of (CURVE keys are per
+host), and needs nothing but the standard library. Where the time goes: not the cipher
+(OpenSSL's AES-256-GCM runs at ~2.6 GB/s each way in this process through memory BIOs)
+but asyncio's SSL pipeline, which passes every byte through two memory BIOs and a
+Python-level loop per read; a blocking ``SSLSocket`` per connection was slower still
+(~350 MB/s: one syscall per 16 KB record). Left to do for the floor: encrypt and
+decrypt off the event loop (the ``ssl`` module releases the GIL in ``SSLObject``) or
+kernel TLS.
 
 We write no cryptography: the standard library's ``ssl`` (OpenSSL) runs the protocol and
 ``cryptography`` (already a dependency, for manifest signing) makes the certificates.
