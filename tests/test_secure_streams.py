@@ -1,23 +1,27 @@
-"""Chunk streams under [security]: mutual TLS, admission by plan, nothing in the clear."""
+"""Weights under [security]: sealed content (one encryption at the publisher, one decryption
+per member, ciphertext relayed unchanged) and chunk stream inboxes that admit only the plan."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
-from echo2.errors import ConfigError, TransportError
-from echo2.messages import Snapshot, WeightChunk
-from echo2.tools.keys import main as keys_main
+from echo2.errors import TransportError
+from echo2.messages import Snapshot, WeightChunk, WeightManifest
 from echo2.transport import Transport
 from echo2.weights import WeightBroadcaster, WeightReceiver
-from echo2.weights.chunks import SnapshotAssembler, digest, flatten_tensors, iter_chunks, make_manifest
-from echo2.weights.secure import StreamTLS, load_stream_tls, make_stream_cert
-from echo2.weights.stream import ChunkStreamSender, ChunkStreamServer
+from echo2.weights.chunks import ManifestRejected, SnapshotAssembler, flatten_tensors, iter_chunks, make_manifest
+from echo2.weights.seal import MAX_CHUNK_BYTES, counter_block, opener_for, seal_version
+from echo2.weights.signing import ManifestSigner, ManifestVerifier, make_signing_keypair
+from echo2.weights.stream import ChunkStreamSender, ChunkStreamServer, StreamCredentials
 
 CHUNK = 64 * 1024
 
@@ -28,16 +32,8 @@ def snapshot(version: int, nbytes: int = 24 * CHUNK + 5) -> Snapshot:
     return Snapshot(incarnation=1, version=version, tensors=specs, data=flat, created_at_s=0.0)
 
 
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One run CA with certificates for the publisher, three members and an intruder."""
-    directory = tmp_path_factory.mktemp("keys")
-    assert keys_main(["--tls", str(directory), "pub", "s0", "s1", "s2", "mallory"]) == 0
-    return directory
-
-
-def tls(keys: Path, name: str) -> StreamTLS:
-    return load_stream_tls(keys, name)
+def n_chunks(snap: Snapshot) -> int:
+    return -(-snap.data.nbytes // CHUNK)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -47,15 +43,15 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 class Run:
-    """A publisher and TLS receivers over tcp in this process."""
+    """A publisher and receivers over tcp chunk streams in this process."""
 
-    def __init__(self, keys: Path, transport: Transport, broadcaster: WeightBroadcaster, url: str, group) -> None:  # type: ignore[no-untyped-def]
-        self.keys, self.transport, self.broadcaster, self.url, self.group = keys, transport, broadcaster, url, group
+    def __init__(self, transport: Transport, broadcaster: WeightBroadcaster, url: str, group: Any) -> None:
+        self.transport, self.broadcaster, self.url, self.group = transport, broadcaster, url, group
         self.receivers: dict[str, WeightReceiver] = {}
         self.complete: dict[str, list[SnapshotAssembler]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
-    def add(self, name: str) -> WeightReceiver:
+    def add(self, name: str, *, sealed: bool = True) -> WeightReceiver:
         control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
         self.complete[name] = []
         receiver = WeightReceiver(
@@ -67,7 +63,7 @@ class Run:
             send_timeout_s=1.0,
             chunk_bytes_hint=CHUNK,
             on_complete=self.complete[name].append,
-            stream_tls=tls(self.keys, name),
+            sealed=sealed,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -79,7 +75,7 @@ class Run:
 
 
 @contextlib.asynccontextmanager
-async def secure_run(keys: Path, mode: str = "relay") -> AsyncIterator[Run]:
+async def sealed_run(mode: str = "relay", sealed: bool = True) -> AsyncIterator[Run]:
     transport = Transport()
     router = transport.router(name="pub.weights", bind=["tcp://127.0.0.1:0"])
     broadcaster = WeightBroadcaster(
@@ -91,13 +87,13 @@ async def secure_run(keys: Path, mode: str = "relay") -> AsyncIterator[Run]:
         chunk_bytes=CHUNK,
         member_ttl_s=2.0,
         send_timeout_s=1.0,
-        stream_tls=tls(keys, "pub"),
+        sealed=sealed,
     )
     run: Run | None = None
     try:
         async with asyncio.TaskGroup() as group:
             main = group.create_task(broadcaster.run())
-            run = Run(keys, transport, broadcaster, router.endpoints[0], group)
+            run = Run(transport, broadcaster, router.endpoints[0], group)
             try:
                 yield run
             finally:
@@ -111,8 +107,8 @@ async def secure_run(keys: Path, mode: str = "relay") -> AsyncIterator[Run]:
         transport.close()
 
 
-async def test_a_tls_relay_delivers_a_version_that_verifies(keys: Path) -> None:
-    async with secure_run(keys, mode="relay") as run:
+async def test_a_sealed_relay_installs_the_plaintext_and_relays_ciphertext_unopened() -> None:
+    async with sealed_run(mode="relay") as run:
         names = ["s0", "s1", "s2"]
         for name in names:
             run.add(name)
@@ -123,75 +119,105 @@ async def test_a_tls_relay_delivers_a_version_that_verifies(keys: Path) -> None:
         stats = {name: run.receivers[name].statistics() for name in names}
     for name in names:
         assembled = run.complete[name][-1]
-        assert assembled.complete and digest(assembled.buffer) == digest(snap.data)
-    # Bytes came down the chain in TLS (publisher -> head, member -> member), into place.
-    assert sum(s["chunks_forwarded"] for s in stats.values()) > 0
-    assert sum(s["stream_tls_admitted"] for s in stats.values()) >= len(names)
-    assert sum(s["stream_chunks_in_place"] for s in stats.values()) > 0
-    assert all(s["stream_refused_identity"] == s["stream_refused_handshake"] == 0 for s in stats.values())
+        assert assembled.complete and assembled.manifest.seal_key
+        assert np.array_equal(assembled.plaintext, snap.data)  # installs exactly the weights
+        assert not np.array_equal(assembled.buffer, snap.data)  # what it received and forwards
+        # Opened once per member; what it forwarded was the ciphertext it verified (its
+        # successor checks the publisher's ciphertext digests), not a re-encryption.
+        assert assembled.chunks_opened == n_chunks(snap)
+    assert all(np.array_equal(run.complete[n][-1].buffer, run.complete["s0"][-1].buffer) for n in names)
+    assert stats["s0"]["chunks_forwarded"] == stats["s1"]["chunks_forwarded"] == n_chunks(snap)
+    # Every inbox admitted exactly its sender (publisher -> s0 -> s1 -> s2), none refused.
+    assert [stats[n]["stream_admitted"] for n in names] == [1, 1, 1]
+    assert all(s["stream_refused"] == s["stream_refused_handshake"] == 0 for s in stats.values())
 
 
-async def test_an_inbox_refuses_a_stranger_and_a_member_outside_the_plan_and_keeps_running(
-    keys: Path, tmp_path: Path
-) -> None:
-    make_stream_cert(tmp_path / "other-ca", "s0-impostor")  # a valid cert, from another CA
+async def test_an_inbox_refuses_strangers_and_keeps_serving_its_publisher() -> None:
     snap = snapshot(2)
-    stray = next(iter_chunks(snap, make_manifest(snap, CHUNK)))
-    async with secure_run(keys, mode="star") as run:
+    sealed, manifest = seal_version(snap, CHUNK)
+    forged = next(iter_chunks(sealed, manifest))
+    async with sealed_run(mode="star") as run:
         receiver = run.add("s0")
         await run.broadcaster.wait_members(1)
+        run.broadcaster.publish_nowait(snapshot(1))  # a plan exists: s0 knows a stream secret
+        await run.wait_version(["s0"], 1)
+        address = receiver.relay_address
         intruders = {
-            "stranger": ChunkStreamSender(receiver.relay_address, tls=tls(tmp_path / "other-ca", "s0-impostor").client),
-            "mallory": ChunkStreamSender(receiver.relay_address, tls=tls(keys, "mallory").client),
+            # Claims to be the publisher but holds a secret of its own making.
+            "guesser": ChunkStreamSender(address, credentials=StreamCredentials("pub", "s0", os.urandom(32))),
+            # Speaks plain chunk frames, as to an open inbox.
+            "plain": ChunkStreamSender(address),
         }
         try:
             for sender in intruders.values():
                 # May look sent (the kernel took it) or fail: either way nothing is delivered.
                 with contextlib.suppress(TransportError):
-                    await sender.send(stray)
+                    await sender.send(forged)
             await until(
                 lambda: (
-                    receiver.statistics()["stream_refused_handshake"] == 1
-                    and receiver.statistics()["stream_refused_identity"] == 1
+                    receiver.statistics()["stream_refused"] == 1
+                    and receiver.statistics()["stream_refused_handshake"] == 1
                 )
             )
         finally:
             for sender in intruders.values():
                 sender.close()
-        assert receiver.statistics()["stream_chunks_in_place"] + receiver.statistics()["stream_chunks_copied"] == 0
+        before = receiver.statistics()
         run.broadcaster.publish_nowait(snap)  # the inbox still serves its publisher
         await run.wait_version(["s0"], 2)
         stats = receiver.statistics()
-    assert digest(run.complete["s0"][-1].buffer) == digest(snap.data)
-    assert stats["stream_tls_admitted"] == 1 and stats["repair_requests"] == 0
+    assert np.array_equal(run.complete["s0"][-1].plaintext, snap.data)
+    assert before["corrupt_chunks"] == 0 and before["stream_admitted"] == 1  # the forged chunk never landed
+    assert stats["stream_refused"] == 1 and stats["repair_requests"] == 0
 
 
-async def test_a_sender_refuses_an_inbox_that_is_not_the_member_the_plan_names(keys: Path) -> None:
-    delivered: list[WeightChunk] = []
+async def test_a_member_given_a_wrong_content_key_refuses_the_version_and_installs_the_next() -> None:
+    async with sealed_run(mode="star") as run:
+        receiver = run.add("s0")
+        await run.broadcaster.wait_members(1)
+        send = run.broadcaster._send
+
+        async def wrong_key_for_v1(peer: bytes, message: Any) -> bool:
+            if isinstance(message, WeightManifest) and message.version == 1:
+                message = msgspec.structs.replace(message, seal_key=os.urandom(32))
+            return await send(peer, message)
+
+        run.broadcaster._send = wrong_key_for_v1  # type: ignore[method-assign]
+        run.broadcaster.publish_nowait(snapshot(1))
+        await until(lambda: receiver.counters["seal_rejected"] >= 1)
+        assert run.complete["s0"] == []  # nothing decrypted into garbage, nothing installed
+        snap = snapshot(2)
+        run.broadcaster.publish_nowait(snap)
+        await run.wait_version(["s0"], 2)
+    assert np.array_equal(run.complete["s0"][-1].plaintext, snap.data)
+
+
+async def test_without_security_streams_are_plain_and_inboxes_open() -> None:
+    async with sealed_run(mode="relay", sealed=False) as run:
+        for name in ("s0", "s1"):
+            run.add(name, sealed=False)
+        await run.broadcaster.wait_members(2)
+        snap = snapshot(3)
+        run.broadcaster.publish_nowait(snap)
+        await run.wait_version(["s0", "s1"], 3)
+        stats = run.receivers["s1"].statistics()
+    for name in ("s0", "s1"):
+        assembled = run.complete[name][-1]
+        assert not assembled.manifest.seal_key and assembled.chunks_opened == 0
+        assert assembled.plaintext is assembled.buffer and np.array_equal(assembled.buffer, snap.data)
+    assert stats["stream_admitted"] == 0 and stats["stream_chunks_in_place"] > 0
+
+
+async def _observed(chunks: list[WeightChunk], credentials: StreamCredentials | None) -> tuple[bytes, list[bytes]]:
+    """Send ``chunks`` through a TCP proxy that records every byte; returns (bytes seen,
+    bodies delivered). With ``credentials`` the inbox challenges and checks them."""
+    delivered: list[bytes] = []
+    secret = credentials.secret if credentials is not None else b""
     server = ChunkStreamServer(
-        delivered.append, lambda key, index, size: None, lambda chunk: None, tls=tls(keys, "s1").server
-    )
-    async with asyncio.TaskGroup() as group:
-        port = await server.start("127.0.0.1", group=group)
-        sender = ChunkStreamSender(f"chunkstream://127.0.0.1:{port}", tls=tls(keys, "pub").client, peer="s0")
-        try:
-            with pytest.raises(TransportError, match="'s1', not 's0'"):
-                await sender.send(WeightChunk(incarnation=1, version=1, index=0, data=np.zeros(8, np.uint8)))
-        finally:
-            sender.close()
-            server.close()
-    assert delivered == [] and sender.closed
-
-
-async def _observed(keys: Path, secure: bool, chunks: list[WeightChunk]) -> tuple[bytes, list[WeightChunk]]:
-    """Send ``chunks`` through a relay that records every byte; returns (bytes, delivered)."""
-    delivered: list[WeightChunk] = []
-    server = ChunkStreamServer(
-        delivered.append,
+        lambda chunk: delivered.append(bytes(chunk.data)),
         lambda key, index, size: None,
         lambda chunk: None,
-        tls=tls(keys, "s0").server if secure else None,
-        admit=lambda identity: identity == "pub",
+        authenticate=None if credentials is None else _only("pub", "s0", secret),
     )
     seen = bytearray()
     pipes: list[asyncio.StreamWriter] = []
@@ -205,7 +231,7 @@ async def _observed(keys: Path, secure: bool, chunks: list[WeightChunk]) -> tupl
         writer.close()
 
     async with asyncio.TaskGroup() as group:
-        port = await server.start("127.0.0.1", group=group)
+        port = await server.start("127.0.0.1")
 
         async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
             server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
@@ -214,8 +240,9 @@ async def _observed(keys: Path, secure: bool, chunks: list[WeightChunk]) -> tupl
             group.create_task(pipe(server_reader, client_writer, record=False))
 
         proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
-        address = f"chunkstream://127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
-        sender = ChunkStreamSender(address, tls=tls(keys, "pub").client if secure else None, peer="s0")
+        sender = ChunkStreamSender(
+            f"chunkstream://127.0.0.1:{proxy.sockets[0].getsockname()[1]}", credentials=credentials
+        )
         try:
             for chunk in chunks:
                 await sender.send(chunk)
@@ -229,77 +256,84 @@ async def _observed(keys: Path, secure: bool, chunks: list[WeightChunk]) -> tupl
     return bytes(seen), delivered
 
 
-async def test_a_passive_observer_between_sender_and_inbox_sees_no_weights(keys: Path) -> None:
+def _only(sender: str, receiver: str, secret: bytes) -> Callable[[bytes, str, bytes], bool]:
+    from echo2.weights.stream import stream_mac
+
+    return lambda challenge, name, mac: name == sender and mac == stream_mac(secret, challenge, sender, receiver)
+
+
+async def test_a_passive_observer_sees_only_ciphertext() -> None:
     snap = snapshot(3)
-    chunks = list(iter_chunks(snap, make_manifest(snap, CHUNK)))
-    seen_plain, _ = await _observed(keys, secure=False, chunks=chunks)
-    seen_tls, delivered = await _observed(keys, secure=True, chunks=chunks)
-    assert [bytes(c.data) for c in delivered] == [bytes(c.data) for c in chunks]  # through the relay, intact
-    samples = [bytes(c.data[at : at + 32]) for c in chunks[:-1] for at in (0, CHUNK // 2)]  # 32 bytes each
+    plain_chunks = list(iter_chunks(snap, make_manifest(snap, CHUNK)))
+    sealed, manifest = seal_version(snap, CHUNK)
+    sealed_chunks = list(iter_chunks(sealed, manifest))
+    seen_plain, _ = await _observed(plain_chunks, None)
+    credentials = StreamCredentials("pub", "s0", os.urandom(32))
+    seen_sealed, delivered = await _observed(sealed_chunks, credentials)
+    assert delivered == [bytes(c.data) for c in sealed_chunks]  # through the proxy, intact
+    samples = [bytes(c.data[at : at + 32]) for c in plain_chunks[:-1] for at in (0, CHUNK // 2)]
     assert all(s in seen_plain for s in samples)  # the observer would see a plain stream's weights
-    assert len(seen_tls) >= snap.data.nbytes
-    assert not any(s in seen_tls for s in samples)
+    assert len(seen_sealed) >= snap.data.nbytes
+    assert not any(s in seen_sealed for s in samples)
+    assert credentials.secret not in seen_sealed and manifest.seal_key not in seen_sealed
 
 
-async def test_a_peer_admitted_only_once_its_plan_arrives_waits_instead_of_being_refused(keys: Path) -> None:
-    allowed: set[str] = set()
+async def test_a_sender_admitted_only_once_its_plan_arrives_waits_instead_of_being_refused() -> None:
+    secret = os.urandom(32)
+    plan_arrived = False
     delivered: list[WeightChunk] = []
+    check = _only("s0", "s1", secret)
     server = ChunkStreamServer(
         delivered.append,
         lambda key, index, size: None,
         lambda chunk: None,
-        tls=tls(keys, "s1").server,
-        admit=allowed.__contains__,
+        authenticate=lambda challenge, name, mac: plan_arrived and check(challenge, name, mac),
         admit_wait_s=30.0,
     )
-    async with asyncio.TaskGroup() as group:
-        port = await server.start("127.0.0.1", group=group)
-        sender = ChunkStreamSender(f"chunkstream://127.0.0.1:{port}", tls=tls(keys, "s0").client, peer="s1")
-        try:
-            await sender.send(WeightChunk(incarnation=1, version=1, index=0, data=np.arange(8, dtype=np.uint8)))
-            await until(lambda: len(server._parked) == 1)
-            assert delivered == []
-            allowed.add("s0")  # the plan naming s0 as our predecessor arrived
-            server.readmit()
-            await until(lambda: len(delivered) == 1)
-        finally:
-            sender.close()
-            server.close()
-    assert server.counters["refused_identity"] == 0 and server.counters["tls_admitted"] == 1
+    port = await server.start("127.0.0.1")
+    sender = ChunkStreamSender(f"chunkstream://127.0.0.1:{port}", credentials=StreamCredentials("s0", "s1", secret))
+    try:
+        await sender.send(WeightChunk(incarnation=1, version=1, index=0, data=np.arange(8, dtype=np.uint8)))
+        await until(lambda: len(server._parked) == 1)
+        assert delivered == []
+        plan_arrived = True  # the plan naming s0 as our predecessor arrived
+        server.readmit()
+        await until(lambda: len(delivered) == 1)
+    finally:
+        sender.close()
+        server.close()
+    assert server.counters["refused"] == 0 and server.counters["admitted"] == 1
     assert bytes(delivered[0].data) == bytes(range(8))
 
 
-def test_missing_or_foreign_certificates_are_one_line_config_errors(keys: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"no nobody\.stream\.crt .*python -m echo2\.keys --tls"):
-        load_stream_tls(keys, "nobody")
-    make_stream_cert(tmp_path, "s0")  # another CA's s0, dropped into our keys dir under a new name
-    (tmp_path / "stray").mkdir()
-    for suffix in ("crt", "key"):
-        (tmp_path / "stray" / f"s0.stream.{suffix}").write_bytes((tmp_path / f"s0.stream.{suffix}").read_bytes())
-    (tmp_path / "stray" / "stream-ca.crt").write_bytes((keys / "stream-ca.crt").read_bytes())
-    with pytest.raises(ConfigError, match="not signed by") as failure:
-        load_stream_tls(tmp_path / "stray", "s0")
-    assert "\n" not in str(failure.value)
+def test_counter_blocks_never_repeat_across_versions_and_chunks() -> None:
+    # Every (incarnation, version, index) starts its own block, and a chunk's blocks
+    # (at most MAX_CHUNK_BYTES / 16) never run into the next index's range.
+    blocks = {counter_block(inc, ver, i) for inc in (1, 2) for ver in range(50) for i in range(200)}
+    assert len(blocks) == 2 * 50 * 200
+    first, next_index = (int.from_bytes(counter_block(1, 7, i), "big") for i in (3, 4))
+    assert next_index - first == MAX_CHUNK_BYTES // 16
+    # Identical plaintext chunks, and the same version sealed twice, never encrypt alike.
+    same = Snapshot(incarnation=1, version=1, tensors=[], data=np.zeros(4 * CHUNK, np.uint8), created_at_s=0.0)
+    specs, _ = flatten_tensors({"w": same.data})
+    same = msgspec.structs.replace(same, tensors=specs)
+    (a, ma), (b, _) = seal_version(same, CHUNK), seal_version(same, CHUNK)
+    chunks = [bytes(a.data[i * CHUNK : (i + 1) * CHUNK]) for i in range(4)]
+    assert len(set(chunks)) == 4 and not np.array_equal(a.data, b.data)
+    assert len(set(ma.chunk_digests)) == 4
 
 
-def test_the_keys_tool_never_overwrites_a_certificate(keys: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = (keys / "s0.stream.crt").read_bytes()
-    assert keys_main(["--tls", str(keys), "s0"]) == 2
-    assert "exists" in capsys.readouterr().err
-    assert (keys / "s0.stream.crt").read_bytes() == before
-    assert (keys / "s0.stream.key").stat().st_mode & 0o077 == 0
-    assert (keys / "stream-ca.key").stat().st_mode & 0o077 == 0
+def test_a_signed_sealed_manifest_cannot_be_given_another_key(tmp_path: Path) -> None:
+    public, private = make_signing_keypair(tmp_path, "learner")
+    _, manifest = seal_version(snapshot(4), CHUNK)
+    signed = ManifestSigner(private).sign(manifest)
+    ManifestVerifier(public).verify(signed)
+    key = os.urandom(32)
+    from echo2.weights.seal import key_check
 
-
-def test_dry_run_names_the_actor_whose_stream_certificate_is_missing(keys: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from echo2.launch import main as launch_main
-
-    root = Path(__file__).resolve().parents[1]
-    topology = tmp_path / "topology.toml"
-    topology.write_text(
-        (root / "examples" / "topology.toml").read_text() + f'\n[security]\ncurve = true\nkeys_dir = "{tmp_path}"\n'
-    )
-    assert launch_main([str(topology), "--dry-run"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "security.stream_tls (actor " in err and "python -m echo2.keys --tls" in err
+    forged = msgspec.structs.replace(signed, seal_key=key, seal_check=key_check(key, signed.digest))
+    assert opener_for(forged) is not None  # consistent with itself...
+    with pytest.raises(ManifestRejected):
+        ManifestVerifier(public).verify(forged)  # ...but not what was signed
+    with pytest.raises(ManifestRejected, match="seal_check mismatch"):
+        opener_for(msgspec.structs.replace(signed, seal_key=key))

@@ -145,7 +145,6 @@ class ActorContext:
         started_at: float | None = None,
         curve: Any = None,
         resume: bool = False,
-        stream_keys_dir: str | None = None,
     ) -> None:
         self.actor_name = actor_name
         self.process = process
@@ -158,7 +157,6 @@ class ActorContext:
         self._declared = declared
         self._telemetry = telemetry
         self._curve = curve  # echo2.transport.auth.CurveSettings, or None
-        self._stream_keys_dir = stream_keys_dir
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
         layout = RunDir(run_dir) if run_dir is not None else None
@@ -166,14 +164,11 @@ class ActorContext:
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
         self._endpoints: list[Endpoint] = []
 
-    def stream_tls(self) -> Any:
-        """This actor's chunk stream TLS (``echo2.weights.secure.StreamTLS``) under
-        ``[security]``, or None: weight streams are then plain."""
-        if self._stream_keys_dir is None:
-            return None
-        from echo2.weights.secure import load_stream_tls
-
-        return load_stream_tls(self._stream_keys_dir, self.actor_name)
+    @property
+    def sealed_weights(self) -> bool:
+        """Under ``[security]`` (CURVE on): weight versions are sealed and chunk streams
+        admit only the plan's members (``echo2.weights.seal``, ``echo2.weights.stream``)."""
+        return self._curve is not None
 
     def has_peers(self, port: str) -> bool:
         addresses = self._ports.get(port)

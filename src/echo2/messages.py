@@ -460,6 +460,11 @@ class WeightManifest(Message, _Versioned, frozen=True):
     digest_algorithm: str = "sha256"
     signature: bytes = b""
     """Ed25519 over ``echo2.weights.signing.signed_payload`` when signing is on."""
+    seal_key: bytes = b""
+    """Under ``[security]``: the version's AES-256-CTR content key (``echo2.weights.seal``);
+    ``chunk_digests`` are then over the ciphertext. Empty: chunks are plaintext."""
+    seal_check: bytes = b""
+    """Keyed BLAKE3 of ``digest`` under ``seal_key``: commits the manifest to its key."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):
@@ -514,7 +519,7 @@ class RelayPlan(Message, _Versioned, frozen=True):
     of one member per sampler; a relay is one chain of every sampler; striped relay is
     ``stripes`` chains of every sampler in rotated orders. ``addresses`` maps member ->
     relay inbox address. ``publisher`` is the publisher's name: under ``[security]``, the
-    identity its chunk streams prove (a member's inbox admits it and its predecessors).
+    name its chunk streams prove (a member's inbox admits it and its predecessors).
     """
 
     incarnation: int
@@ -523,6 +528,9 @@ class RelayPlan(Message, _Versioned, frozen=True):
     chains: list[RelayChain]
     addresses: dict[str, str] = {}
     publisher: str = ""
+    stream_secret: bytes = b""
+    """Under ``[security]``: random per plan; a chunk stream's sender proves it knows it
+    (HMAC over the inbox's challenge, ``echo2.weights.stream``). Empty: inboxes are open."""
 
 
 class WeightShm(Message, _Versioned, frozen=True):

@@ -54,7 +54,6 @@ class ProcessRuntime:
         transport: Transport | None = None,
         curve: CurveSettings | None = None,
         resume: bool = False,
-        stream_keys_dir: str | None = None,
     ) -> None:
         self.actors = list(actors)
         self.process = process
@@ -69,7 +68,6 @@ class ProcessRuntime:
         self._telemetry_connect = tuple(telemetry_connect)
         self._telemetry_curve_servers = tuple(telemetry_curve_servers)
         self._curve = curve
-        self._stream_keys_dir = stream_keys_dir
         self.resume = resume
         self._transport = transport
         self._owns_transport = transport is None
@@ -145,7 +143,6 @@ class ProcessRuntime:
                         telemetry=telemetry,
                         curve=self._curve,
                         resume=self.resume,
-                        stream_keys_dir=self._stream_keys_dir,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)

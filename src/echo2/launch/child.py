@@ -183,9 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             addresses,
             process=args.process,
             curve=curve,
-            stream_keys_dir=resolved.security.keys_dir
-            if resolved.security.curve and resolved.security.stream_tls
-            else None,
             resume=resolved.resume,
             telemetry_curve_servers=spec.telemetry_curve_servers,
             run_dir=run_dir,

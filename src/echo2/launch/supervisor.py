@@ -127,7 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         names = select_processes(topology, args.host)
-        check_stream_certs(topology)
     except ConfigError as exc:
         print(f"{source}: {exc}", file=sys.stderr)
         return exits.BAD_CONFIG
@@ -178,22 +177,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
-
-
-def check_stream_certs(topology: Topology) -> None:
-    """Under ``[security]`` with ``stream_tls``: every actor with a ``weights`` port has a
-    chunk stream certificate from the run CA (else one ConfigError line, before any start)."""
-    security = topology.security
-    if not (security.curve and security.stream_tls):
-        return
-    from echo2.weights.secure import load_stream_tls
-
-    for actor in topology.actors.values():
-        if "weights" in actor.cls.ports:
-            try:
-                load_stream_tls(security.keys_dir, actor.name)
-            except ConfigError as exc:
-                raise ConfigError(str(exc), path=f"security.stream_tls (actor {actor.name})") from exc
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:

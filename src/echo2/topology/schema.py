@@ -136,9 +136,6 @@ class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """Directory of the hosts' key pairs (``<host>.key``, ``<host>.key_secret``)."""
     allowed: list[str] = []
     """Public key files or directories of them; default ``<keys_dir>/allowed``."""
-    stream_tls: bool = True
-    """With ``curve`` on: weight chunk streams in mutual TLS, each actor with a ``weights``
-    port proving its name with ``<keys_dir>/<actor>.stream.crt`` (``python -m echo2.keys --tls``)."""
 
 
 _TABLES = ("run", "job", "hosts", "processes", "actors", "security")

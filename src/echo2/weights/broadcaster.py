@@ -18,7 +18,6 @@ from echo2.messages import (
     NO_VERSION,
     ChunkRequest,
     PolicyVersion,
-    RelayChain,
     RelayPlan,
     Snapshot,
     WeightChunk,
@@ -46,8 +45,9 @@ from echo2.weights.plan import (
     chunk_sender,
     relay_plan,
 )
-from echo2.weights.secure import StreamTLS
+from echo2.weights.seal import seal_version
 from echo2.weights.shm import shm_identity, write_snapshot
+from echo2.weights.stream import StreamCredentials
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,14 @@ class WeightBroadcaster:
         fault: Fault | None = None,
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
         shm_dir: str | None = None,
-        stream_tls: StreamTLS | None = None,
+        sealed: bool = False,
     ) -> None:
         """``shm_dir``: where versions for members sharing this host are written (None:
-        never; every member then gets chunks). ``stream_tls`` (``[security]``): chunk
-        streams go out in mutual TLS as the identity it holds, to the member each plan
-        names (``echo2.weights.secure``)."""
-        self.stream_tls = stream_tls
+        never; every member then gets chunks). ``sealed`` (``[security]``): every version
+        is published sealed (``echo2.weights.seal``: ciphertext on every stream, in repair
+        and in shared memory) and each plan carries a fresh stream secret that chunk
+        streams prove to inboxes (``echo2.weights.stream``)."""
+        self.sealed = sealed
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
@@ -157,11 +158,22 @@ class WeightBroadcaster:
 
     # -- API -------------------------------------------------------------------------
 
+    def prepare(self, snapshot: Snapshot) -> tuple[Snapshot, WeightManifest]:
+        """The snapshot as it will travel and its manifest: sealed under a fresh content key
+        when ``sealed``, else as is. CPU-bound (one pass, or two when sealed): callers that
+        must not block the loop run it in a thread, and may sign the manifest after."""
+        if self.sealed:
+            return seal_version(snapshot, self.chunk_bytes)
+        return snapshot, make_manifest(snapshot, self.chunk_bytes)
+
     def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
         """Make ``snapshot`` the latest version and start streaming it (the previous
-        stream, if still running, stops: only the newest version matters)."""
+        stream, if still running, stops: only the newest version matters). With a
+        ``manifest``, ``snapshot`` is as ``prepare`` returned it (sealed when ``sealed``)."""
         if manifest is None:
-            manifest = make_manifest(snapshot, self.chunk_bytes)
+            snapshot, manifest = self.prepare(snapshot)
+        elif self.sealed and not manifest.seal_key:
+            raise ValueError("a sealed broadcaster publishes only sealed versions (see prepare)")
         self._pending = _Version(snapshot, manifest)
         self._new.set()
 
@@ -366,7 +378,8 @@ class WeightBroadcaster:
             stripes=stripes,
             chains=chains,
             addresses=addresses,
-            publisher=self.stream_tls.identity if self.stream_tls is not None else "",
+            publisher=self.name,
+            stream_secret=os.urandom(32) if self.sealed else b"",
         )
         for name in remote:
             member = self._members[name]
@@ -374,11 +387,9 @@ class WeightBroadcaster:
             if await self._send(member.peer, plan):
                 await self._send(member.peer, version.manifest)
         if local:
-            await asyncio.gather(
-                self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses)
-            )
+            await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, plan))
         else:
-            await self._stream_chunks(version, stripes, chains, addresses)
+            await self._stream_chunks(version, plan)
 
     async def _offer_shm(self, version: _Version, names: list[str]) -> None:
         for name in names:
@@ -396,11 +407,10 @@ class WeightBroadcaster:
         if offer is None or await self._send(member.peer, offer):
             await self._send(member.peer, version.manifest)
 
-    async def _stream_chunks(
-        self, version: _Version, stripes: int, chains: list[RelayChain], addresses: dict[str, str]
-    ) -> None:
+    async def _stream_chunks(self, version: _Version, plan: RelayPlan) -> None:
+        stripes, addresses = plan.stripes, plan.addresses
         seeds: dict[int, list[str]] = {}
-        for chain in chains:
+        for chain in plan.chains:
             seeds.setdefault(chain.stripe, []).append(chain.members[0])
         dead: set[str] = set()
         for chunk in iter_chunks(version.snapshot, version.manifest):
@@ -410,23 +420,19 @@ class WeightBroadcaster:
                 out = chunk if self._fault is None else self._fault(seed, chunk)
                 if out is None:
                     continue
-                if not await self._push_chunk(seed, addresses[seed], out):
+                if not await self._push_chunk(seed, addresses[seed], out, plan.stream_secret):
                     dead.add(seed)
 
-    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk) -> bool:
+    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk, secret: bytes) -> bool:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
+        if push is None or push.closed:
+            credentials = StreamCredentials(self.name, member, secret) if secret else None
+            push = chunk_sender(
+                self._transport, f"{self.name}.seed", address, self.chunk_bytes, credentials=credentials
+            )
+            self._pushes[address] = push
         try:
-            if push is None or push.closed:
-                push = chunk_sender(
-                    self._transport,
-                    f"{self.name}.seed",
-                    address,
-                    self.chunk_bytes,
-                    tls=self.stream_tls.client if self.stream_tls is not None else None,
-                    peer=member,
-                )
-                self._pushes[address] = push
             async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for
                 sent = await push.send(chunk)
         except (TimeoutError, ClosedError, TransportError):
@@ -437,8 +443,7 @@ class WeightBroadcaster:
             return True
         self.counters["send_failures"] += 1
         self._pushes.pop(address, None)
-        if push is not None:
-            push.close()
+        push.close()
         return False
 
     # -- repair ----------------------------------------------------------------------

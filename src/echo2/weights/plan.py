@@ -13,11 +13,9 @@ import logging
 import math
 import os
 import socket
-import ssl
 from collections.abc import Sequence
 from typing import Literal, get_args
 
-from echo2.errors import TransportError
 from echo2.messages import (
     RelayChain,
 )
@@ -29,6 +27,7 @@ from echo2.transport.endpoint import (
 from echo2.weights.link import LinkSpec
 from echo2.weights.stream import (
     ChunkStreamSender,
+    StreamCredentials,
     is_stream_address,
 )
 
@@ -63,21 +62,12 @@ def chunk_sender(
     address: str,
     chunk_bytes: int,
     *,
-    tls: ssl.SSLContext | None = None,
-    peer: str = "",
+    credentials: StreamCredentials | None = None,
 ) -> ChunkSender:
-    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ).
-
-    With ``tls`` (``[security]``) a chunk stream is TLS to the member ``peer``, and an
-    inbox on another host that is not a chunk stream is refused (``TransportError``):
-    weights never cross a network in the clear.
-    """
+    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ);
+    a chunk stream answers the inbox's challenge with ``credentials`` (``[security]``)."""
     if is_stream_address(address):
-        return ChunkStreamSender(address, tls=tls, peer=peer)
-    if tls is not None and address.startswith("tcp://"):
-        raise TransportError(
-            f"{name}: {address} is a plain ZeroMQ inbox; under [security] weights go only to TLS streams"
-        )
+        return ChunkStreamSender(address, credentials=credentials)
     return transport.push(
         name=f"{name}->{address}",
         connect=[address],

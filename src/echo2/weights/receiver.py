@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
 import socket
 import time
@@ -51,16 +52,28 @@ from echo2.weights.plan import (
     max_message_bytes,
     relay_bind_url,
 )
-from echo2.weights.secure import StreamTLS
+from echo2.weights.seal import opener_for
 from echo2.weights.shm import map_snapshot, shm_identity
 from echo2.weights.stream import SCHEME as STREAM_SCHEME
 from echo2.weights.stream import (
     ChunkStreamServer,
+    StreamCredentials,
+    stream_mac,
 )
 
 log = logging.getLogger(__name__)
 
 # -- receiver ----------------------------------------------------------------------------
+
+
+def _senders_to(plan: RelayPlan, member: str) -> set[str]:
+    """Who may stream to ``member``'s inbox under ``plan``: its publisher and the member's
+    predecessor in each chain."""
+    senders = {plan.publisher} if plan.publisher else set()
+    for chain in plan.chains:
+        if member in chain.members[1:]:
+            senders.add(chain.members[chain.members.index(member) - 1])
+    return senders
 
 
 def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[str]:
@@ -99,16 +112,17 @@ class WeightReceiver:
         prefault_next: bool = True,
         data_plane: str = "stream",
         shm_dir: str | None = None,
-        stream_tls: StreamTLS | None = None,
+        sealed: bool = False,
     ) -> None:
-        """``stream_tls`` (``[security]``): the relay inbox is a mutual-TLS chunk stream that
-        admits only the plan's publisher and this member's predecessors, and chunks are
-        forwarded in TLS to the successor the plan names (``echo2.weights.secure``)."""
+        """``sealed`` (``[security]``): the relay inbox admits only senders that prove the
+        plan's stream secret and are the publisher or this member's predecessor
+        (``echo2.weights.stream``). Sealed versions (``echo2.weights.seal``) are opened
+        whenever their manifest carries a key, sealed or not."""
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
-        if stream_tls is not None and data_plane != "stream":
+        if sealed and data_plane != "stream":
             raise ValueError("under [security] the relay inbox must be a chunk stream (data_plane='stream')")
-        self.stream_tls = stream_tls
+        self.sealed = sealed
         self._previous_plan: RelayPlan | None = None
         self.data_plane = data_plane
         self.shm_id = shm_identity(shm_dir)
@@ -116,7 +130,7 @@ class WeightReceiver:
         self._shm_key: PolicyVersion | None = None  # the last version taken from shared memory
         self._verify_manifest = verify_manifest
         self.prefault_next = prefault_next
-        self._spare: np.ndarray | None = None
+        self._spares: list[np.ndarray] = []  # prefaulted for the next version (two if sealed)
         self.name = name
         self._transport = transport
         self._control = control
@@ -143,7 +157,7 @@ class WeightReceiver:
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
         self._successors: dict[int, str] = {}
-        self._successor_names: dict[str, str] = {}  # address -> member, to check its identity
+        self._successor_names: dict[str, str] = {}  # address -> member (whom a stream proves itself to)
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
@@ -169,6 +183,7 @@ class WeightReceiver:
                 "stalled_streams_dropped",
                 "shm_versions",
                 "shm_failures",
+                "seal_rejected",
             ),
             0,
         )
@@ -193,8 +208,7 @@ class WeightReceiver:
                 self._stream_destination,
                 self._stream_abandon,
                 max_chunk_bytes=max_message_bytes(64 << 20),
-                tls=self.stream_tls.server if self.stream_tls is not None else None,
-                admit=self._admits,
+                authenticate=self._authenticates if self.sealed else None,
                 admit_wait_s=self.gap_timeout_s,
             )
             port = listener.getsockname()[1]
@@ -224,10 +238,10 @@ class WeightReceiver:
     async def run(self) -> None:
         if self._inbox is None and self._stream is None:
             self.open()
+        if self._stream is not None and self._stream_socket is not None:
+            await self._stream.start_on(self._stream_socket)
         async with asyncio.TaskGroup() as group:
             self._group = group
-            if self._stream is not None and self._stream_socket is not None:
-                await self._stream.start_on(self._stream_socket, group)
             group.create_task(self._control_loop())
             group.create_task(self._relay_loop())
             group.create_task(self._announce_loop())
@@ -236,20 +250,15 @@ class WeightReceiver:
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
 
-    def _admits(self, identity: str) -> bool:
-        """May this verified peer stream to our inbox? The publisher, and our predecessor
-        in any chain of the current plan or the one before (a stream opened for the
-        previous version may be the first to carry the next)."""
+    def _authenticates(self, challenge: bytes, sender: str, mac: bytes) -> bool:
+        """May ``sender`` stream to our inbox? It must prove the stream secret of the
+        current plan or the one before (a stream opened for the previous version may be
+        the first to carry the next) and be that plan's publisher or our predecessor."""
         for plan in (self._plan, self._previous_plan):
-            if plan is None:
+            if plan is None or not plan.stream_secret or sender not in _senders_to(plan, self.name):
                 continue
-            if identity and identity == plan.publisher:
+            if hmac.compare_digest(mac, stream_mac(plan.stream_secret, challenge, sender, self.name)):
                 return True
-            for chain in plan.chains:
-                members = chain.members
-                if self.name in members and members.index(self.name) > 0:
-                    if members[members.index(self.name) - 1] == identity:
-                        return True
         return False
 
     def _stream_destination(self, key: PolicyVersion, index: int, nbytes: int) -> np.ndarray | None:
@@ -371,8 +380,8 @@ class WeightReceiver:
         if self._plan is not None and self._plan.policy_version != key:
             self._previous_plan = self._plan
         self._plan = plan
-        if self._stream is not None:
-            self._stream.readmit()  # peers waiting for the plan that names them
+        if self._stream is not None and self.sealed:
+            self._stream.readmit()  # senders waiting for the plan that names them
         if self.assembling == key:
             self._apply_plan()
 
@@ -412,9 +421,23 @@ class WeightReceiver:
         try:
             if self._verify_manifest is not None:
                 self._verify_manifest(manifest)  # before any memory is committed to it
+        except ManifestRejected as exc:
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
+            return
+        try:
+            opener = opener_for(manifest)
+        except ManifestRejected as exc:
+            # Not installed, and said why; the next version (or a corrected manifest) may open.
+            self.counters["manifests_rejected"] += 1
+            self.counters["seal_rejected"] += 1
+            log.warning("%s: cannot open v%d: %s", self.name, manifest.version, exc)
+            return
+        try:
             mapped = self._map_offered(manifest)
             buffer = mapped if mapped is not None else self._take_spare(manifest.total_bytes)
-            assembler = SnapshotAssembler(manifest, buffer)
+            plaintext = self._take_spare(manifest.total_bytes) if opener is not None else None
+            assembler = SnapshotAssembler(manifest, buffer, opener=opener, plaintext=plaintext)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
             log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
@@ -500,8 +523,9 @@ class WeightReceiver:
             self._assembler = None
             self._complete_key = assembler.key
             self.counters["versions_complete"] += 1
-            if assembler.key != self._shm_key:  # shared-memory members need no spare
-                self._prepare_spare(assembler.manifest.total_bytes)
+            # Shared-memory members need no spare for the bytes received, only for those opened.
+            spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
+            self._prepare_spares(assembler.manifest.total_bytes, spares)
             if self._on_complete is not None:
                 self._on_complete(assembler)
 
@@ -541,25 +565,26 @@ class WeightReceiver:
         self._after_offers(assembler, [chunk], [future.result()])
 
     def _take_spare(self, nbytes: int) -> np.ndarray | None:
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.nbytes == nbytes:
+        if self._spares and self._spares[-1].nbytes == nbytes:
             self.counters["spare_buffers_used"] += 1
-            return spare
+            return self._spares.pop()
+        self._spares.clear()
         return None
 
-    def _prepare_spare(self, nbytes: int) -> None:
+    def _prepare_spares(self, nbytes: int, count: int) -> None:
         """Map the next version's memory now, between versions, so that its page faults
         do not slow the next transfer (snapshots keep their size from version to version).
-        Costs one snapshot of memory while idle; ``prefault_next=False`` turns it off."""
-        if not self.prefault_next or self._group is None:
+        Costs ``count`` snapshots of memory while idle (a sealed version needs two: the
+        ciphertext received and the plaintext opened); ``prefault_next=False`` turns it off."""
+        if not self.prefault_next or self._group is None or count == 0:
             return
-        self._spare = None
+        self._spares = []
 
         async def prepare() -> None:
             loop = asyncio.get_running_loop()
-            spare = await loop.run_in_executor(self._pool, prefaulted_buffer, nbytes)
+            spares = [await loop.run_in_executor(self._pool, prefaulted_buffer, nbytes) for _ in range(count)]
             if self._assembler is None:  # not already assembling the next version
-                self._spare = spare
+                self._spares = spares
 
         self._group.create_task(prepare())
 
@@ -579,14 +604,13 @@ class WeightReceiver:
     def _push(self, address: str) -> ChunkSender:
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = chunk_sender(
-                self._transport,
-                f"{self.name}.relay",
-                address,
-                64 << 20,
-                tls=self.stream_tls.client if self.stream_tls is not None else None,
-                peer=self._successor_names.get(address, ""),
+            plan, successor = self._plan, self._successor_names.get(address, "")
+            credentials = (
+                StreamCredentials(self.name, successor, plan.stream_secret)
+                if plan is not None and plan.stream_secret and successor
+                else None
             )
+            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20, credentials=credentials)
             self._pushes[address] = push
         return push
 

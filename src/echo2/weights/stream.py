@@ -20,11 +20,25 @@ needs no trust in its peer. A frame that is not one (bad magic or format, or a b
 ``max_chunk_bytes``) is counted and its connection closed; the receiver keeps running and
 the chunks it lost are repaired like any others.
 
-Under ``[security]`` the same frames travel inside mutual TLS (``tls`` on both ends,
-``echo2.weights.secure``): the server admits a verified peer only if ``admit`` says its
-identity may send to this inbox (the publisher, or a predecessor in the current plan); a
-peer with no valid certificate fails the handshake, and both are counted
-(``refused_handshake``, ``refused_identity``), logged once per peer, and closed.
+Admission under ``[security]`` (``authenticate`` on the server, ``credentials`` on the
+sender). Before any frame, the inbox sends a challenge and the sender answers with its
+name and an HMAC proving it holds the current plan's ``stream_secret`` (which travels
+only in the ``RelayPlan``, on the CURVE-encrypted control channel)::
+
+    challenge (inbox -> sender, 40 bytes): magic b"E2SC", format u8 (=1), 3 pad bytes,
+              32 random bytes
+    answer    (sender -> inbox): magic b"E2SA", format u8 (=1), name length u8, 2 pad
+              bytes, the sender's name (UTF-8), then 32 bytes of
+              HMAC-SHA256(stream_secret, challenge | len(sender) u8 | sender
+                                              | len(receiver) u8 | receiver)
+
+The inbox reads nothing past the answer until ``authenticate`` admits the sender (the
+plan's publisher or the inbox's predecessor, checked by ``WeightReceiver``); a sender it
+cannot admit yet waits, not read, up to ``admit_wait_s`` for the plan naming it
+(``readmit``) and is then refused. Refusals (``refused``: wrong HMAC or not a sender of
+this inbox; ``refused_handshake``: no well-formed answer in time) are counted, logged
+once per peer, and closed. The frames themselves need no secrecy from the stream: under
+``[security]`` their bodies are ciphertext (``echo2.weights.seal``).
 
 Addresses are ``chunkstream://host:port``; ``WeightReceiver`` announces one in place of a
 ZeroMQ inbox and senders pick the transport by the scheme.
@@ -34,9 +48,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
 import logging
+import os
 import socket
-import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -45,7 +61,6 @@ import numpy as np
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import PolicyVersion, WeightChunk
-from echo2.weights.secure import peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +68,52 @@ SCHEME = "chunkstream"
 MAGIC = b"E2CK"
 FORMAT = 1
 HEADER = struct.Struct("<4sB3xqqqQ")
+CHALLENGE = struct.Struct("<4sB3x32s")
+CHALLENGE_MAGIC = b"E2SC"
+ANSWER = struct.Struct("<4sBB2x")
+ANSWER_MAGIC = b"E2SA"
+MAC_BYTES = 32
 
 Destination = Callable[[PolicyVersion, int, int], "np.ndarray | None"]
 """(version, index, nbytes) -> the uint8 memory to receive that chunk into, or None (the
 receiver then reads it into a fresh buffer). Memory handed out is returned either as a
 delivered chunk or through ``abandon`` (connection lost mid-body)."""
 
-Admit = Callable[[str], bool]
-"""TLS only: may the peer with this verified identity deliver chunks now? False may turn
-True later (the plan naming it is on its way): see ``ChunkStreamServer.readmit``."""
+
+Authenticate = Callable[[bytes, str, bytes], bool]
+"""(challenge, sender name, mac) -> may this sender deliver to the inbox now? False may
+turn True later (the plan naming it is on its way): see ``ChunkStreamServer.readmit``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCredentials:
+    """What a sender proves to an inbox: its name, to whom, and the plan's stream secret."""
+
+    sender: str
+    receiver: str
+    secret: bytes
+
+
+def _name_field(name: str) -> bytes:
+    raw = name.encode()
+    if not 0 < len(raw) < 256:
+        raise ValueError(f"a chunk stream name must be 1-255 bytes, got {name!r}")
+    return bytes([len(raw)]) + raw
+
+
+def stream_mac(secret: bytes, challenge: bytes, sender: str, receiver: str) -> bytes:
+    """HMAC-SHA256(secret, challenge | len sender | sender | len receiver | receiver)."""
+    message = challenge + _name_field(sender) + _name_field(receiver)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def answer_frame(credentials: StreamCredentials, challenge: bytes) -> bytes:
+    name = credentials.sender.encode()
+    mac = stream_mac(credentials.secret, challenge, credentials.sender, credentials.receiver)
+    return ANSWER.pack(ANSWER_MAGIC, FORMAT, len(name)) + name + mac
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> str:
-    """The peer's host (no port: refusals are logged once per peer, not per connection)."""
     peer = transport.get_extra_info("peername")
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
@@ -86,12 +134,16 @@ def parse_address(address: str) -> tuple[str, int]:
 class _Connection(asyncio.BufferedProtocol):
     """One inbound connection: header, then the body into its destination, repeat."""
 
-    def __init__(self, server: ChunkStreamServer, *, gated: bool = False) -> None:
+    def __init__(self, server: ChunkStreamServer) -> None:
         self._server = server
-        # TLS: bytes decrypted before the peer is admitted are held, not parsed (asyncio may
-        # deliver them before the handshake's waiter runs); admission replays them.
-        self._held: bytearray | None = bytearray() if gated else None
-        self._scratch = memoryview(bytearray(1 << 16)) if gated else memoryview(b"")
+        # Admission (server.authenticate set): "answer-head", "answer-body", "parked", then
+        # "frames"; an open inbox starts at "frames".
+        self.phase = "frames" if server.authenticate is None else "answer-head"
+        self.challenge = b""
+        self._answer = bytearray(ANSWER.size)
+        self.sender = ""
+        self.mac = b""
+        self._expiry: asyncio.TimerHandle | None = None
         self._header = bytearray(HEADER.size)
         self._header_view = memoryview(self._header)
         self._body: memoryview | None = None
@@ -108,22 +160,25 @@ class _Connection(asyncio.BufferedProtocol):
         self._server._connections.add(self)
         if self._server._paused:
             transport.pause_reading()
+        if self.phase != "frames":
+            self.challenge = os.urandom(32)
+            transport.write(CHALLENGE.pack(CHALLENGE_MAGIC, FORMAT, self.challenge))
+            loop = asyncio.get_running_loop()
+            self._expiry = loop.call_later(self._server.handshake_timeout_s, self._handshake_expired)
 
-    def admitted(self, transport: asyncio.Transport) -> None:
-        """TLS: the handshake is done and the peer admitted; frames may flow."""
-        self.connection_made(transport)
-        held, self._held = self._held or bytearray(), None
-        view = memoryview(held)
-        while view and not transport.is_closing():
-            buffer = self.get_buffer(len(view))
-            n = min(len(buffer), len(view))
-            buffer[:n] = view[:n]
-            self.buffer_updated(n)
-            view = view[n:]
-        if not self._server._paused and not transport.is_closing():
-            transport.resume_reading()
+    def _handshake_expired(self) -> None:
+        if self.phase.startswith("answer"):
+            self._server._refuse_handshake(self, "no answer to its challenge in time")
+
+    def admit(self) -> None:
+        self.phase = "frames"
+        self._got = 0
+        if self.transport is not None and not self._server._paused and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         self._server._connections.discard(self)
         if self._chunk is not None:
             # The peer went away mid-body: the destination it was writing is given back.
@@ -136,15 +191,18 @@ class _Connection(asyncio.BufferedProtocol):
         return self._chunk is not None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._held is not None:
-            return self._scratch
+        if self.phase != "frames":
+            # Exactly the answer's remaining bytes: nothing after it is read before admission.
+            return memoryview(self._answer)[self._got :]
         if self._body is None:
             return self._header_view[self._got :]
         return self._body[self._got :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._held is not None:
-            self._held += self._scratch[:nbytes]
+        if self.phase != "frames":
+            self._got += nbytes
+            if self._got == len(self._answer):
+                self._answer_read()
             return
         self._server.counters["reads"] += 1
         self._got += nbytes
@@ -155,6 +213,28 @@ class _Connection(asyncio.BufferedProtocol):
             chunk, self._chunk, self._body, self._got = self._chunk, None, None, 0
             assert chunk is not None
             self._server._deliver(chunk)
+
+    def _answer_read(self) -> None:
+        server = self._server
+        if self.phase == "answer-head":
+            magic, fmt, name_len = ANSWER.unpack(self._answer)
+            if magic != ANSWER_MAGIC or fmt != FORMAT or name_len == 0:
+                server._refuse_handshake(self, "a malformed answer to its challenge")
+                return
+            self.phase, self._answer, self._got = "answer-body", bytearray(name_len + MAC_BYTES), 0
+            return
+        try:
+            self.sender = bytes(self._answer[:-MAC_BYTES]).decode()
+        except UnicodeDecodeError:
+            server._refuse_handshake(self, "a sender name that is not UTF-8")
+            return
+        self.mac = bytes(self._answer[-MAC_BYTES:])
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self.phase, self._got = "parked", 0
+        assert self.transport is not None
+        self.transport.pause_reading()  # until admitted
+        server._authenticate_connection(self)
 
     def _start_body(self) -> None:
         server = self._server
@@ -180,28 +260,6 @@ class _Connection(asyncio.BufferedProtocol):
             server._deliver(chunk)
 
 
-class _TlsAccept(asyncio.Protocol):
-    """A TCP connection to a TLS inbox before its handshake: not a byte is read here."""
-
-    def __init__(self, server: ChunkStreamServer) -> None:
-        self._server = server
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.pause_reading()  # the ClientHello is for start_tls, which resumes reading
-        self._server._handshake_soon(transport)
-
-
-@dataclasses.dataclass
-class _Parked:
-    """An authenticated connection waiting for the plan that names its peer."""
-
-    connection: _Connection
-    transport: asyncio.Transport
-    identity: str
-    deadline_s: float
-
-
 class ChunkStreamServer:
     """Accepts chunk streams; ``on_chunk`` gets each complete chunk, in arrival order per
     connection. ``destination`` chooses where each body lands (see ``Destination``).
@@ -209,12 +267,6 @@ class ChunkStreamServer:
     Flow control: when more than ``max_pending`` delivered chunks wait to be taken
     (``taken()``), every connection stops reading until the backlog halves, so a slow
     consumer pushes back on its senders through TCP instead of growing memory.
-
-    With ``tls`` (a server context that requires client certificates) every connection is
-    handshaken in a task of the ``group`` given to ``start``/``start_on``, then ``admit``
-    is asked about the peer's identity; a peer not admitted waits, not reading, up to
-    ``admit_wait_s`` for a ``readmit()`` that admits it (a relay plan naming it may
-    arrive after its stream), and is refused after that.
     """
 
     def __init__(
@@ -225,21 +277,15 @@ class ChunkStreamServer:
         *,
         max_chunk_bytes: int = 64 << 20,
         max_pending: int = 32,
-        tls: ssl.SSLContext | None = None,
-        admit: Admit | None = None,
+        authenticate: Authenticate | None = None,
         admit_wait_s: float = 2.0,
         handshake_timeout_s: float = 10.0,
     ) -> None:
-        if tls is not None and tls.verify_mode != ssl.CERT_REQUIRED:
-            raise ValueError("a chunk stream's TLS context must require peer certificates")
-        self.tls = tls
-        self._admit = admit if admit is not None else (lambda identity: True)
+        self.authenticate = authenticate
         self.admit_wait_s = admit_wait_s
         self.handshake_timeout_s = handshake_timeout_s
-        self._group: asyncio.TaskGroup | None = None
-        self._parked: list[_Parked] = []
-        self._handshaking: set[asyncio.Transport] = set()
-        self._refused_logged: set[str] = set()
+        self._parked: dict[_Connection, float] = {}  # -> deadline (monotonic s)
+        self._refusals_logged: set[str] = set()
         self._on_chunk = on_chunk
         self._destination = destination
         self._abandon = abandon
@@ -257,98 +303,69 @@ class ChunkStreamServer:
                 "malformed",
                 "frames_truncated",
                 "pauses",
-                "tls_admitted",
+                "admitted",
+                "refused",
                 "refused_handshake",
-                "refused_identity",
             ),
             0,
         )
 
-    def _protocol(self) -> asyncio.BaseProtocol:
-        return _Connection(self) if self.tls is None else _TlsAccept(self)
-
-    def _use(self, group: asyncio.TaskGroup | None) -> None:
-        if self.tls is not None and group is None:
-            raise ValueError("a TLS chunk stream server needs a TaskGroup for its handshakes")
-        self._group = group
-
-    async def start(self, host: str, port: int = 0, group: asyncio.TaskGroup | None = None) -> int:
+    async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port``; returns the bound port."""
-        self._use(group)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, host, port)
+        self._server = await loop.create_server(lambda: _Connection(self), host, port)
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def start_on(self, listener: socket.socket, group: asyncio.TaskGroup | None = None) -> None:
+    async def start_on(self, listener: socket.socket) -> None:
         """Serve on a socket already bound and listening (bound early, served later);
         the server owns it from now on."""
-        self._use(group)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, sock=listener)
+        self._server = await loop.create_server(lambda: _Connection(self), sock=listener)
 
-    # -- TLS: handshake and admission --------------------------------------------------
+    # -- admission (authenticate set) ---------------------------------------------------
 
-    def _handshake_soon(self, transport: asyncio.Transport) -> None:
-        if self._group is None or self._server is None:
-            transport.abort()  # closed meanwhile
+    def _authenticate_connection(self, connection: _Connection) -> None:
+        assert self.authenticate is not None
+        if self.authenticate(connection.challenge, connection.sender, connection.mac):
+            self.counters["admitted"] += 1
+            connection.admit()
             return
-        self._handshaking.add(transport)
-        self._group.create_task(self._handshake(transport))
-
-    async def _handshake(self, transport: asyncio.Transport) -> None:
-        assert self.tls is not None
-        peer = _peer_address(transport)
-        connection = _Connection(self, gated=True)
-        loop = asyncio.get_running_loop()
-        try:
-            secured = await loop.start_tls(
-                transport, connection, self.tls, server_side=True, ssl_handshake_timeout=self.handshake_timeout_s
-            )
-        except (OSError, TimeoutError, ConnectionError) as exc:  # ssl.SSLError is an OSError
-            self.counters["refused_handshake"] += 1
-            self._log_refusal(f"address {peer}", f"no valid certificate ({exc})")
-            transport.abort()
-            return
-        finally:
-            self._handshaking.discard(transport)
-        if secured is None:  # the peer closed during the handshake
-            transport.abort()
-            return
-        assert isinstance(secured, asyncio.Transport)
-        secured.pause_reading()  # until admitted
-        identity = peer_identity(secured.get_extra_info("ssl_object"))
-        if self._server is None:
-            secured.abort()
-        elif self._admit(identity):
-            self._accept(connection, secured)
-        else:
-            self._parked.append(_Parked(connection, secured, identity, time.monotonic() + self.admit_wait_s))
-            loop.call_later(self.admit_wait_s, self.readmit)
-
-    def _accept(self, connection: _Connection, transport: asyncio.Transport) -> None:
-        self.counters["tls_admitted"] += 1
-        connection.admitted(transport)
+        self._parked[connection] = time.monotonic() + self.admit_wait_s
+        asyncio.get_running_loop().call_later(self.admit_wait_s, self.readmit)
 
     def readmit(self) -> None:
-        """Ask ``admit`` again about every waiting peer (call it when the plan changes);
-        refuse those whose wait is over."""
+        """Ask ``authenticate`` again about every waiting sender (call it when the plan
+        changes); refuse those whose wait is over."""
+        assert self.authenticate is not None or not self._parked
         now = time.monotonic()
-        waiting, self._parked = self._parked, []
-        for parked in waiting:
-            if parked.transport.is_closing():
-                continue
-            if self._admit(parked.identity):
-                self._accept(parked.connection, parked.transport)
-            elif now >= parked.deadline_s - 1e-3:
-                self.counters["refused_identity"] += 1
-                self._log_refusal(f"{parked.identity!r}", "not the publisher or a predecessor in the plan")
-                parked.transport.abort()
-            else:
-                self._parked.append(parked)
+        for connection, deadline_s in list(self._parked.items()):
+            transport = connection.transport
+            if transport is None or transport.is_closing():
+                del self._parked[connection]
+            elif self.authenticate is not None and self.authenticate(
+                connection.challenge, connection.sender, connection.mac
+            ):
+                del self._parked[connection]
+                self.counters["admitted"] += 1
+                connection.admit()
+            elif now >= deadline_s - 1e-3:
+                del self._parked[connection]
+                self.counters["refused"] += 1
+                self._log_refusal(
+                    f"{connection.sender!r} from {_peer_address(transport)}",
+                    "not the publisher or a predecessor in the plan, or a wrong HMAC",
+                )
+                transport.abort()
+
+    def _refuse_handshake(self, connection: _Connection, why: str) -> None:
+        self.counters["refused_handshake"] += 1
+        if connection.transport is not None:
+            self._log_refusal(f"a peer at {_peer_address(connection.transport)}", why)
+            connection.transport.abort()
 
     def _log_refusal(self, who: str, why: str) -> None:
-        if who not in self._refused_logged:  # once per peer: a refused peer may retry forever
-            self._refused_logged.add(who)
+        if who not in self._refusals_logged:  # once per peer: a refused peer may retry forever
+            self._refusals_logged.add(who)
             log.warning("chunk stream: refused %s: %s", who, why)
 
     def _deliver(self, chunk: WeightChunk) -> None:
@@ -367,8 +384,9 @@ class ChunkStreamServer:
         if self._paused and self._pending <= self.max_pending // 2:
             self._paused = False
             for connection in self._connections:
-                if connection.transport is not None and not connection.transport.is_closing():
-                    connection.transport.resume_reading()
+                transport = connection.transport
+                if transport is not None and not transport.is_closing() and connection.phase != "parked":
+                    transport.resume_reading()
 
     def drop_partial(self) -> int:
         """Close every connection that is in the middle of a chunk (its place goes back
@@ -384,11 +402,7 @@ class ChunkStreamServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for parked in self._parked:
-            parked.transport.abort()
         self._parked.clear()
-        for transport in list(self._handshaking):
-            transport.abort()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.close()
@@ -402,31 +416,17 @@ class ChunkStreamSender:
     success and raises ``ClosedError``/``TransportError`` when the peer is gone; a caller
     that cancels a send (timeout) must ``close()`` it, as a half-written frame cannot be
     resumed.
-
-    With ``tls`` (a client context holding this actor's certificate) the stream is TLS and
-    ``peer``, when given, is the identity the inbox must prove (the member the plan names
-    at this address); another identity is a ``TransportError`` before any chunk leaves.
-    ``send`` then returns once the frame is encrypted and the transport's buffer is below
-    ``tls_buffer_bytes``.
     """
 
     def __init__(
-        self,
-        address: str,
-        *,
-        connect_timeout_s: float = 5.0,
-        tls: ssl.SSLContext | None = None,
-        peer: str = "",
-        tls_buffer_bytes: int = 1 << 20,
+        self, address: str, *, connect_timeout_s: float = 5.0, credentials: StreamCredentials | None = None
     ) -> None:
+        """``credentials``: answer the inbox's challenge with them (``[security]``)."""
+        self.credentials = credentials
         self.address = address
         self._host, self._port = parse_address(address)
         self.connect_timeout_s = connect_timeout_s
-        self.tls = tls
-        self.peer = peer
-        self.tls_buffer_bytes = tls_buffer_bytes
         self._sock: socket.socket | None = None
-        self._writer: asyncio.StreamWriter | None = None
         self._lock = asyncio.Lock()
         self.closed = False
 
@@ -438,12 +438,6 @@ class ChunkStreamSender:
         loop = asyncio.get_running_loop()
         async with self._lock:
             try:
-                if self.tls is not None:
-                    writer = self._writer or await self._connect_tls()
-                    writer.write(header)
-                    writer.write(data)  # the snapshot's memory is never written again: no copy
-                    await writer.drain()
-                    return True
                 sock = self._sock or await self._connect(loop)
                 try:
                     sent = sock.sendmsg([header, data])  # one syscall when the kernel has room
@@ -454,7 +448,7 @@ class ChunkStreamSender:
                     sent = len(header)
                 if sent - len(header) < len(data):
                     await loop.sock_sendall(sock, data[sent - len(header) :])
-            except OSError as exc:  # ssl.SSLError and ConnectionError included
+            except OSError as exc:
                 self.close()
                 raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
         return True
@@ -468,44 +462,44 @@ class ChunkStreamSender:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.sock_connect(sock, addr)
+                if self.credentials is not None:
+                    await self._answer_challenge(loop, sock, self.credentials)
         except BaseException:
             sock.close()
             raise
         self._sock = sock
         return sock
 
-    async def _connect_tls(self) -> asyncio.StreamWriter:
-        async with asyncio.timeout(self.connect_timeout_s):
-            _, writer = await asyncio.open_connection(
-                self._host, self._port, ssl=self.tls, ssl_handshake_timeout=self.connect_timeout_s
-            )
-        identity = peer_identity(writer.get_extra_info("ssl_object"))
-        if self.peer and identity != self.peer:
-            writer.transport.abort()
-            self.close()
-            raise TransportError(f"chunk stream to {self.address}: the inbox is {identity!r}, not {self.peer!r}")
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.transport.set_write_buffer_limits(high=self.tls_buffer_bytes)
-        self._writer = writer
-        return writer
+    async def _answer_challenge(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, credentials: StreamCredentials
+    ) -> None:
+        challenge = bytearray(CHALLENGE.size)
+        view, got = memoryview(challenge), 0
+        while got < len(challenge):
+            n = await loop.sock_recv_into(sock, view[got:])
+            if n == 0:
+                raise TransportError(f"chunk stream to {self.address}: closed before its challenge")
+            got += n
+        magic, fmt, nonce = CHALLENGE.unpack(challenge)
+        if magic != CHALLENGE_MAGIC or fmt != FORMAT:
+            raise TransportError(f"chunk stream to {self.address}: not an inbox that authenticates senders")
+        await loop.sock_sendall(sock, answer_frame(credentials, nonce))
 
     def close(self) -> None:
         self.closed = True
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        if self._writer is not None:
-            self._writer.transport.abort()  # a half-written frame cannot be finished anyway
-            self._writer = None
 
 
 __all__ = [
     "HEADER",
     "SCHEME",
+    "Authenticate",
     "ChunkStreamSender",
     "ChunkStreamServer",
+    "StreamCredentials",
     "is_stream_address",
     "parse_address",
+    "stream_mac",
 ]
