@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     NO_VERSION,
@@ -34,6 +36,7 @@ from echo2.weights.chunks import (
     DEFAULT_CHUNK_BYTES,
     iter_chunks,
     make_manifest,
+    prefaulted_buffer,
 )
 from echo2.weights.link import LinkSpec
 from echo2.weights.plan import (
@@ -110,6 +113,7 @@ class WeightBroadcaster:
         and in shared memory) and each plan carries a fresh stream secret that chunk
         streams prove to inboxes (``echo2.weights.stream``)."""
         self.sealed = sealed
+        self._spare: np.ndarray | None = None  # sealed: prefaulted memory for the next ciphertext
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
@@ -163,7 +167,10 @@ class WeightBroadcaster:
         when ``sealed``, else as is. CPU-bound (one pass, or two when sealed): callers that
         must not block the loop run it in a thread, and may sign the manifest after."""
         if self.sealed:
-            return seal_version(snapshot, self.chunk_bytes)
+            spare, self._spare = self._spare, None
+            if spare is not None and spare.nbytes != snapshot.data.nbytes:
+                spare = None
+            return seal_version(snapshot, self.chunk_bytes, out=spare)
         return snapshot, make_manifest(snapshot, self.chunk_bytes)
 
     def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
@@ -390,6 +397,10 @@ class WeightBroadcaster:
             await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, plan))
         else:
             await self._stream_chunks(version, plan)
+        if self.sealed and self._spare is None:
+            # Between versions, so that the next one's page faults are not paid while it
+            # is sealed (versions keep their size); never a buffer that was streamed.
+            self._spare = await asyncio.to_thread(prefaulted_buffer, version.manifest.total_bytes)
 
     async def _offer_shm(self, version: _Version, names: list[str]) -> None:
         for name in names:
