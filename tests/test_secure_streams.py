@@ -51,7 +51,7 @@ class Run:
         self.complete: dict[str, list[SnapshotAssembler]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
-    def add(self, name: str, *, sealed: bool = True) -> WeightReceiver:
+    def add(self, name: str, *, sealed: bool = True, shm_dir: str | None = None) -> WeightReceiver:
         control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
         self.complete[name] = []
         receiver = WeightReceiver(
@@ -64,6 +64,7 @@ class Run:
             chunk_bytes_hint=CHUNK,
             on_complete=self.complete[name].append,
             sealed=sealed,
+            shm_dir=shm_dir,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -75,7 +76,7 @@ class Run:
 
 
 @contextlib.asynccontextmanager
-async def sealed_run(mode: str = "relay", sealed: bool = True) -> AsyncIterator[Run]:
+async def sealed_run(mode: str = "relay", sealed: bool = True, shm_dir: str | None = None) -> AsyncIterator[Run]:
     transport = Transport()
     router = transport.router(name="pub.weights", bind=["tcp://127.0.0.1:0"])
     broadcaster = WeightBroadcaster(
@@ -88,6 +89,7 @@ async def sealed_run(mode: str = "relay", sealed: bool = True) -> AsyncIterator[
         member_ttl_s=2.0,
         send_timeout_s=1.0,
         sealed=sealed,
+        shm_dir=shm_dir,
     )
     run: Run | None = None
     try:
@@ -130,6 +132,23 @@ async def test_a_sealed_relay_installs_the_plaintext_and_relays_ciphertext_unope
     # Every inbox admitted exactly its sender (publisher -> s0 -> s1 -> s2), none refused.
     assert [stats[n]["stream_admitted"] for n in names] == [1, 1, 1]
     assert all(s["stream_refused"] == s["stream_refused_handshake"] == 0 for s in stats.values())
+
+
+async def test_shared_memory_on_the_publishers_host_holds_ciphertext_and_members_open_it(tmp_path: Path) -> None:
+    async with sealed_run(mode="relay", shm_dir=str(tmp_path)) as run:
+        run.add("local", shm_dir=str(tmp_path))
+        run.add("remote")
+        await run.broadcaster.wait_members(2)
+        snap = snapshot(5)
+        run.broadcaster.publish_nowait(snap)
+        await run.wait_version(["local", "remote"], 5)
+        (path,) = tmp_path.iterdir()
+        on_disk = np.fromfile(path, dtype=np.uint8)
+        local, remote = run.complete["local"][-1], run.complete["remote"][-1]
+        assert run.receivers["local"].counters["shm_versions"] == 1
+    assert np.array_equal(on_disk, remote.buffer) and not np.array_equal(on_disk, snap.data)
+    assert np.array_equal(local.plaintext, snap.data) and np.array_equal(remote.plaintext, snap.data)
+    assert local.chunks_opened == n_chunks(snap)
 
 
 async def test_an_inbox_refuses_strangers_and_keeps_serving_its_publisher() -> None:
