@@ -356,3 +356,34 @@ def test_a_signed_sealed_manifest_cannot_be_given_another_key(tmp_path: Path) ->
         ManifestVerifier(public).verify(forged)  # ...but not what was signed
     with pytest.raises(ManifestRejected, match="seal_check mismatch"):
         opener_for(msgspec.structs.replace(signed, seal_key=key))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_launched_job_under_security_trains_from_sealed_versions(tmp_path: Path) -> None:
+    """The real entry point with ``[security] curve = true``: every version broadcast is
+    sealed, members install it, and the run completes."""
+    import subprocess
+    import sys
+
+    from echo2.rundir import RunDir
+    from echo2.tools.keys import main as keys_main
+
+    root = Path(__file__).resolve().parents[1]
+    keys = tmp_path / "keys"
+    assert keys_main([str(keys), "local"]) == 0  # the one host of a topology without [hosts]
+    (keys / "allowed").mkdir()
+    (keys / "allowed" / "local.key").write_bytes((keys / "local.key").read_bytes())
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        (root / "examples" / "topology.toml").read_text() + f'\n[security]\ncurve = true\nkeys_dir = "{keys}"\n'
+    )
+    overrides = ["max_steps=8", "eval_every=0", "eval_prompts=20", "checkpoint_every=0"]
+    command = [sys.executable, "-m", "echo2.launch", str(topology), "--run-dir", str(tmp_path / "runs")]
+    for override in overrides:
+        command += ["--set", f"actors.learner.config.{override}"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    broadcasts = RunDir(run).metrics("weight_publisher", "broadcast")
+    assert broadcasts and all(b["sealed"] and b["installed"] >= 1 for b in broadcasts)

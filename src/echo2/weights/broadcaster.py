@@ -297,6 +297,7 @@ class WeightBroadcaster:
                         "installed": done,
                         "active": len(version.active),
                         "mode": self.mode,
+                        "sealed": self.sealed,
                         "bytes": version.manifest.total_bytes,
                     }
                 )
