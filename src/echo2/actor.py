@@ -164,6 +164,12 @@ class ActorContext:
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
         self._endpoints: list[Endpoint] = []
 
+    @property
+    def sealed_weights(self) -> bool:
+        """Under ``[security]`` (CURVE on): weight versions are sealed and chunk streams
+        admit only the plan's members (``echo2.weights.seal``, ``echo2.weights.stream``)."""
+        return self._curve is not None
+
     def has_peers(self, port: str) -> bool:
         addresses = self._ports.get(port)
         return bool(addresses and (addresses.bind or addresses.connect))

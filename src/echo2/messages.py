@@ -637,6 +637,11 @@ class WeightManifest(Message, _Versioned, frozen=True):
     digest_algorithm: str = "sha256"
     signature: bytes = b""
     """Ed25519 over ``echo2.weights.signing.signed_payload`` when signing is on."""
+    seal_key: bytes = b""
+    """Under ``[security]``: the version's AES-256-CTR content key (``echo2.weights.seal``);
+    ``chunk_digests`` are then over the ciphertext. Empty: chunks are plaintext."""
+    seal_check: bytes = b""
+    """Keyed BLAKE3 of ``digest`` under ``seal_key``: commits the manifest to its key."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):
@@ -690,7 +695,8 @@ class RelayPlan(Message, _Versioned, frozen=True):
     Chunk ``i`` belongs to stripe ``i % stripes``. A star is ``stripes = 1`` with one chain
     of one member per sampler; a relay is one chain of every sampler; striped relay is
     ``stripes`` chains of every sampler in rotated orders. ``addresses`` maps member ->
-    relay inbox address.
+    relay inbox address. ``publisher`` is the publisher's name: under ``[security]``, the
+    name its chunk streams prove (a member's inbox admits it and its predecessors).
     """
 
     incarnation: int
@@ -698,6 +704,10 @@ class RelayPlan(Message, _Versioned, frozen=True):
     stripes: int
     chains: list[RelayChain]
     addresses: dict[str, str] = {}
+    publisher: str = ""
+    stream_secret: bytes = b""
+    """Under ``[security]``: random per plan; a chunk stream's sender proves it knows it
+    (HMAC over the inbox's challenge, ``echo2.weights.stream``). Empty: inboxes are open."""
 
 
 class WeightShm(Message, _Versioned, frozen=True):

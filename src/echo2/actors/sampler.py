@@ -148,6 +148,7 @@ class Sampler(Actor):
             shm_dir=self.config.shm_dir or None,
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
+            sealed=ctx.sealed_weights,
         )
         self._receiver.open()
         self._leases: deque[TaskLease] = deque()

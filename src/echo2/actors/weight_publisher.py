@@ -25,6 +25,10 @@ Backpressure: PUSH and ROUTER block at the high-water mark, never drop; a send t
 finish in ``send_timeout_s`` skips that seed for the version (its chain repairs). Only the
 newest snapshot matters: a newer one stops the stream of the older (counted).
 
+Under ``[security]`` every version is sealed before its manifest is made (AES-256-CTR
+under a fresh key per version, digests over the ciphertext: ``echo2.weights.seal``) and
+chunk streams prove the plan's stream secret to each inbox.
+
 Shutdown: on ``stopping`` it returns.
 """
 
@@ -39,7 +43,7 @@ from msgspec import Meta
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
-from echo2.weights.chunks import DEFAULT_CHUNK_BYTES, make_manifest
+from echo2.weights.chunks import DEFAULT_CHUNK_BYTES
 from echo2.weights.link import LinkSpec
 from echo2.weights.plan import RelayMode
 
@@ -98,6 +102,7 @@ class WeightPublisher(Actor):
             gamma=self.config.gamma,
             on_bcast=self._on_bcast,
             shm_dir=self.config.shm_dir or None,
+            sealed=ctx.sealed_weights,
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 
@@ -149,7 +154,7 @@ class WeightPublisher(Actor):
             newest = max(batch, key=lambda s: s.policy_version)
             self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
-            manifest = await asyncio.to_thread(make_manifest, newest, self.config.chunk_bytes)
+            snapshot, manifest = await asyncio.to_thread(self.broadcaster.prepare, newest)
             if self._signer is not None:
                 manifest = self._signer.sign(manifest)
-            self.broadcaster.publish_nowait(newest, manifest)
+            self.broadcaster.publish_nowait(snapshot, manifest)

@@ -2,8 +2,10 @@
 
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
 (relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
-``stream`` (chunk streams: bytes straight into place), ``shm`` (shared memory on one host),
-``signing`` (Ed25519 manifests), ``link`` (link emulation: caps and latency).
+``stream`` (chunk streams: bytes straight into place; under ``[security]`` inboxes admit
+only the plan's senders), ``seal`` (under ``[security]``: versions encrypted once at the
+publisher, opened once per member), ``shm`` (shared memory on one host), ``signing``
+(Ed25519 manifests), ``link`` (link emulation: caps and latency).
 
 Two components on top of the pure chunk layer (``echo2.weights.chunks``):
 

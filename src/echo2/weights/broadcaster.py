@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     NO_VERSION,
     ChunkRequest,
     PolicyVersion,
-    RelayChain,
     RelayPlan,
     Snapshot,
     WeightChunk,
@@ -36,6 +37,7 @@ from echo2.weights.chunks import (
     DEFAULT_CHUNK_BYTES,
     iter_chunks,
     make_manifest,
+    prefaulted_buffer,
 )
 from echo2.weights.link import LinkSpec
 from echo2.weights.plan import (
@@ -47,7 +49,9 @@ from echo2.weights.plan import (
     chunk_sender,
     relay_plan,
 )
+from echo2.weights.seal import seal_version
 from echo2.weights.shm import shm_identity, write_snapshot
+from echo2.weights.stream import StreamCredentials
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +106,15 @@ class WeightBroadcaster:
         fault: Fault | None = None,
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
         shm_dir: str | None = None,
+        sealed: bool = False,
     ) -> None:
         """``shm_dir``: where versions for members sharing this host are written (None:
-        never; every member then gets chunks)."""
+        never; every member then gets chunks). ``sealed`` (``[security]``): every version
+        is published sealed (``echo2.weights.seal``: ciphertext on every stream, in repair
+        and in shared memory) and each plan carries a fresh stream secret that chunk
+        streams prove to inboxes (``echo2.weights.stream``)."""
+        self.sealed = sealed
+        self._spare: np.ndarray | None = None  # sealed: prefaulted memory for the next ciphertext
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.name = name
@@ -157,11 +167,25 @@ class WeightBroadcaster:
 
     # -- API -------------------------------------------------------------------------
 
+    def prepare(self, snapshot: Snapshot) -> tuple[Snapshot, WeightManifest]:
+        """The snapshot as it will travel and its manifest: sealed under a fresh content key
+        when ``sealed``, else as is. CPU-bound (one pass, or two when sealed): callers that
+        must not block the loop run it in a thread, and may sign the manifest after."""
+        if self.sealed:
+            spare, self._spare = self._spare, None
+            if spare is not None and spare.nbytes != snapshot.data.nbytes:
+                spare = None
+            return seal_version(snapshot, self.chunk_bytes, out=spare)
+        return snapshot, make_manifest(snapshot, self.chunk_bytes)
+
     def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
         """Make ``snapshot`` the latest version and start streaming it (the previous
-        stream, if still running, stops: only the newest version matters)."""
+        stream, if still running, stops: only the newest version matters). With a
+        ``manifest``, ``snapshot`` is as ``prepare`` returned it (sealed when ``sealed``)."""
         if manifest is None:
-            manifest = make_manifest(snapshot, self.chunk_bytes)
+            snapshot, manifest = self.prepare(snapshot)
+        elif self.sealed and not manifest.seal_key:
+            raise ValueError("a sealed broadcaster publishes only sealed versions (see prepare)")
         self._pending = _Version(snapshot, manifest)
         self._new.set()
 
@@ -295,6 +319,7 @@ class WeightBroadcaster:
                         "installed": done,
                         "active": len(version.active),
                         "mode": self.mode,
+                        "sealed": self.sealed,
                         "bytes": version.manifest.total_bytes,
                     }
                 )
@@ -383,6 +408,8 @@ class WeightBroadcaster:
             stripes=stripes,
             chains=chains,
             addresses=addresses,
+            publisher=self.name,
+            stream_secret=os.urandom(32) if self.sealed else b"",
         )
         for name in remote:
             member = self._members[name]
@@ -390,11 +417,13 @@ class WeightBroadcaster:
             if await self._send(member.peer, plan):
                 await self._send(member.peer, version.manifest)
         if local:
-            await asyncio.gather(
-                self._offer_shm(version, local), self._stream_chunks(version, stripes, chains, addresses)
-            )
+            await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, plan))
         else:
-            await self._stream_chunks(version, stripes, chains, addresses)
+            await self._stream_chunks(version, plan)
+        if self.sealed and self._spare is None:
+            # Between versions, so that the next one's page faults are not paid while it
+            # is sealed (versions keep their size); never a buffer that was streamed.
+            self._spare = await asyncio.to_thread(prefaulted_buffer, version.manifest.total_bytes)
 
     async def _offer_shm(self, version: _Version, names: list[str]) -> None:
         for name in names:
@@ -412,11 +441,10 @@ class WeightBroadcaster:
         if offer is None or await self._send(member.peer, offer):
             await self._send(member.peer, version.manifest)
 
-    async def _stream_chunks(
-        self, version: _Version, stripes: int, chains: list[RelayChain], addresses: dict[str, str]
-    ) -> None:
+    async def _stream_chunks(self, version: _Version, plan: RelayPlan) -> None:
+        stripes, addresses = plan.stripes, plan.addresses
         seeds: dict[int, list[str]] = {}
-        for chain in chains:
+        for chain in plan.chains:
             seeds.setdefault(chain.stripe, []).append(chain.members[0])
         dead: set[str] = set()
         for chunk in iter_chunks(version.snapshot, version.manifest):
@@ -426,14 +454,17 @@ class WeightBroadcaster:
                 out = chunk if self._fault is None else self._fault(seed, chunk)
                 if out is None:
                     continue
-                if not await self._push_chunk(addresses[seed], out):
+                if not await self._push_chunk(seed, addresses[seed], out, plan.stream_secret):
                     dead.add(seed)
 
-    async def _push_chunk(self, address: str, chunk: WeightChunk) -> bool:
+    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk, secret: bytes) -> bool:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = chunk_sender(self._transport, f"{self.name}.seed", address, self.chunk_bytes)
+            credentials = StreamCredentials(self.name, member, secret) if secret else None
+            push = chunk_sender(
+                self._transport, f"{self.name}.seed", address, self.chunk_bytes, credentials=credentials
+            )
             self._pushes[address] = push
         try:
             async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for

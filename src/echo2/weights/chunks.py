@@ -24,7 +24,7 @@ import math
 import mmap
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import blake3
 import numpy as np
@@ -89,10 +89,16 @@ def unflatten(specs: list[TensorSpec], flat: np.ndarray) -> dict[str, np.ndarray
 
 
 def make_manifest(
-    snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES, algorithm: str = DEFAULT_DIGEST
+    snapshot: Snapshot,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    algorithm: str = DEFAULT_DIGEST,
+    *,
+    chunk_digests: list[bytes] | None = None,
 ) -> WeightManifest:
+    """``chunk_digests``: already computed (``echo2.weights.seal`` hashes as it encrypts)."""
     data = snapshot.data.data.cast("B")
-    chunk_digests = [digest(data[i : i + chunk_bytes], algorithm) for i in range(0, len(data), chunk_bytes)]
+    if chunk_digests is None:
+        chunk_digests = [digest(data[i : i + chunk_bytes], algorithm) for i in range(0, len(data), chunk_bytes)]
     return WeightManifest(
         incarnation=snapshot.incarnation,
         version=snapshot.version,
@@ -144,18 +150,33 @@ def check_manifest(manifest: WeightManifest) -> None:
 class SnapshotAssembler:
     """Collects one version's chunks; ``complete`` once every chunk is in and verified."""
 
-    def __init__(self, manifest: WeightManifest, buffer: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        manifest: WeightManifest,
+        buffer: np.ndarray | None = None,
+        *,
+        opener: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+        plaintext: np.ndarray | None = None,
+    ) -> None:
         """``buffer``: memory to assemble into (``total_bytes`` of uint8, owned by this
-        assembler from now on); by default a fresh allocation."""
+        assembler from now on); by default a fresh allocation.
+
+        A sealed version (``manifest.seal_key``) needs ``opener``
+        (``echo2.weights.seal.opener_for``): ``buffer`` then holds the verified
+        ciphertext (what is forwarded) and each chunk is opened once, as it is stored,
+        into ``plaintext`` (same size; by default a fresh allocation), which ``tensors``
+        views."""
         check_manifest(manifest)
+        if bool(manifest.seal_key) != (opener is not None):
+            raise ValueError("a sealed manifest needs an opener, and only a sealed one takes one")
         self.manifest = manifest
         self.key: PolicyVersion = manifest.policy_version
         """The version being assembled."""
-        if buffer is None:
-            buffer = np.empty(manifest.total_bytes, dtype=np.uint8)
-        elif buffer.dtype != np.uint8 or buffer.shape != (manifest.total_bytes,):
-            raise ValueError("buffer must be total_bytes of uint8")
-        self.buffer = buffer
+        self.buffer = self._own(buffer, manifest.total_bytes)
+        self._opener = opener
+        self.plaintext = self._own(plaintext, manifest.total_bytes) if opener is not None else self.buffer
+        """The version's bytes in the clear (``buffer`` itself unless sealed)."""
+        self.chunks_opened = 0
         self._have = np.zeros(len(manifest.chunk_digests), dtype=bool)
         # A chunk's region has at most one writer: a copy being verified, or a chunk stream
         # receiving into it (``destination``). Set and cleared under the lock.
@@ -163,6 +184,14 @@ class SnapshotAssembler:
         self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
+
+    @staticmethod
+    def _own(buffer: np.ndarray | None, nbytes: int) -> np.ndarray:
+        if buffer is None:
+            return np.empty(nbytes, dtype=np.uint8)
+        if buffer.dtype != np.uint8 or buffer.shape != (nbytes,):
+            raise ValueError("buffer must be total_bytes of uint8")
+        return buffer
 
     @property
     def complete(self) -> bool:
@@ -253,8 +282,12 @@ class SnapshotAssembler:
                 return "corrupt"
             if not in_place:
                 region[:] = chunk.data
+            if self._opener is not None:
+                # Opened before it counts as held: ``complete`` means every chunk is in the clear.
+                self._opener(index, region, self.plaintext[start : start + expected_len])
             with self._lock:
                 self._have[index] = True
+                self.chunks_opened += self._opener is not None
             return "stored"
         finally:
             with self._lock:
@@ -263,4 +296,4 @@ class SnapshotAssembler:
     def tensors(self) -> dict[str, np.ndarray]:
         if not self.complete:
             raise RuntimeError("snapshot is incomplete")
-        return unflatten(self.manifest.tensors, self.buffer)
+        return unflatten(self.manifest.tensors, self.plaintext)

@@ -27,6 +27,7 @@ from echo2.transport.endpoint import (
 from echo2.weights.link import LinkSpec
 from echo2.weights.stream import (
     ChunkStreamSender,
+    StreamCredentials,
     is_stream_address,
 )
 
@@ -55,10 +56,18 @@ ChunkSender = PushEndpoint | ChunkStreamSender
 """Where chunks go to a relay inbox: ``await send(chunk)``, ``close()``, ``closed``."""
 
 
-def chunk_sender(transport: Transport, name: str, address: str, chunk_bytes: int) -> ChunkSender:
-    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ)."""
+def chunk_sender(
+    transport: Transport,
+    name: str,
+    address: str,
+    chunk_bytes: int,
+    *,
+    credentials: StreamCredentials | None = None,
+) -> ChunkSender:
+    """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ);
+    a chunk stream answers the inbox's challenge with ``credentials`` (``[security]``)."""
     if is_stream_address(address):
-        return ChunkStreamSender(address)
+        return ChunkStreamSender(address, credentials=credentials)
     return transport.push(
         name=f"{name}->{address}",
         connect=[address],

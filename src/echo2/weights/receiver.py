@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
 import socket
 import time
@@ -51,15 +52,28 @@ from echo2.weights.plan import (
     max_message_bytes,
     relay_bind_url,
 )
+from echo2.weights.seal import opener_for
 from echo2.weights.shm import map_snapshot, shm_identity
 from echo2.weights.stream import SCHEME as STREAM_SCHEME
 from echo2.weights.stream import (
     ChunkStreamServer,
+    StreamCredentials,
+    stream_mac,
 )
 
 log = logging.getLogger(__name__)
 
 # -- receiver ----------------------------------------------------------------------------
+
+
+def _senders_to(plan: RelayPlan, member: str) -> set[str]:
+    """Who may stream to ``member``'s inbox under ``plan``: its publisher and the member's
+    predecessor in each chain."""
+    senders = {plan.publisher} if plan.publisher else set()
+    for chain in plan.chains:
+        if member in chain.members[1:]:
+            senders.add(chain.members[chain.members.index(member) - 1])
+    return senders
 
 
 def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[str]:
@@ -98,16 +112,25 @@ class WeightReceiver:
         prefault_next: bool = True,
         data_plane: str = "stream",
         shm_dir: str | None = None,
+        sealed: bool = False,
     ) -> None:
+        """``sealed`` (``[security]``): the relay inbox admits only senders that prove the
+        plan's stream secret and are the publisher or this member's predecessor
+        (``echo2.weights.stream``). Sealed versions (``echo2.weights.seal``) are opened
+        whenever their manifest carries a key, sealed or not."""
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        if sealed and data_plane != "stream":
+            raise ValueError("under [security] the relay inbox must be a chunk stream (data_plane='stream')")
+        self.sealed = sealed
+        self._previous_plan: RelayPlan | None = None
         self.data_plane = data_plane
         self.shm_id = shm_identity(shm_dir)
         self._shm_offer: WeightShm | None = None
         self._shm_key: PolicyVersion | None = None  # the last version taken from shared memory
         self._verify_manifest = verify_manifest
         self.prefault_next = prefault_next
-        self._spare: np.ndarray | None = None
+        self._spares: list[np.ndarray] = []  # prefaulted for the next version (two if sealed)
         self.name = name
         self._transport = transport
         self._control = control
@@ -134,6 +157,7 @@ class WeightReceiver:
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
         self._successors: dict[int, str] = {}
+        self._successor_names: dict[str, str] = {}  # address -> member (whom a stream proves itself to)
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
@@ -159,6 +183,7 @@ class WeightReceiver:
                 "stalled_streams_dropped",
                 "shm_versions",
                 "shm_failures",
+                "seal_rejected",
             ),
             0,
         )
@@ -183,6 +208,8 @@ class WeightReceiver:
                 self._stream_destination,
                 self._stream_abandon,
                 max_chunk_bytes=max_message_bytes(64 << 20),
+                authenticate=self._authenticates if self.sealed else None,
+                admit_wait_s=self.gap_timeout_s,
             )
             port = listener.getsockname()[1]
             tcp = announce_url(f"tcp://*:{port}", control_url, self._relay_host)
@@ -222,6 +249,17 @@ class WeightReceiver:
             group.create_task(self._forward_loop())
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
+
+    def _authenticates(self, challenge: bytes, sender: str, mac: bytes) -> bool:
+        """May ``sender`` stream to our inbox? It must prove the stream secret of the
+        current plan or the one before (a stream opened for the previous version may be
+        the first to carry the next) and be that plan's publisher or our predecessor."""
+        for plan in (self._plan, self._previous_plan):
+            if plan is None or not plan.stream_secret or sender not in _senders_to(plan, self.name):
+                continue
+            if hmac.compare_digest(mac, stream_mac(plan.stream_secret, challenge, sender, self.name)):
+                return True
+        return False
 
     def _stream_destination(self, key: PolicyVersion, index: int, nbytes: int) -> np.ndarray | None:
         assembler = self._assembler
@@ -339,7 +377,11 @@ class WeightReceiver:
         newest = self.newest()
         if newest is not None and key < newest:
             return
+        if self._plan is not None and self._plan.policy_version != key:
+            self._previous_plan = self._plan
         self._plan = plan
+        if self._stream is not None and self.sealed:
+            self._stream.readmit()  # senders waiting for the plan that names them
         if self.assembling == key:
             self._apply_plan()
 
@@ -347,6 +389,7 @@ class WeightReceiver:
         """Set successors for the assembling version and forward what is already held."""
         plan, assembler = self._plan, self._assembler
         self._successors = {}
+        self._successor_names = {}
         self._dead_successors = set()
         if plan is None or assembler is None or plan.policy_version != assembler.key:
             return
@@ -357,6 +400,7 @@ class WeightReceiver:
                     successor = plan.addresses.get(chain.members[at + 1], "")
                     if successor and successor != self.relay_address:
                         self._successors[chain.stripe] = successor
+                        self._successor_names[successor] = chain.members[at + 1]
         # Chunks that landed before the plan still go down the chain.
         # (Their bytes are in the assembler's buffer, which is never written again.)
         for index in assembler.held():
@@ -377,9 +421,23 @@ class WeightReceiver:
         try:
             if self._verify_manifest is not None:
                 self._verify_manifest(manifest)  # before any memory is committed to it
+        except ManifestRejected as exc:
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
+            return
+        try:
+            opener = opener_for(manifest)
+        except ManifestRejected as exc:
+            # Not installed, and said why; the next version (or a corrected manifest) may open.
+            self.counters["manifests_rejected"] += 1
+            self.counters["seal_rejected"] += 1
+            log.warning("%s: cannot open v%d: %s", self.name, manifest.version, exc)
+            return
+        try:
             mapped = self._map_offered(manifest)
             buffer = mapped if mapped is not None else self._take_spare(manifest.total_bytes)
-            assembler = SnapshotAssembler(manifest, buffer)
+            plaintext = self._take_spare(manifest.total_bytes) if opener is not None else None
+            assembler = SnapshotAssembler(manifest, buffer, opener=opener, plaintext=plaintext)
         except ManifestRejected as exc:
             self.counters["manifests_rejected"] += 1
             log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
@@ -465,8 +523,9 @@ class WeightReceiver:
             self._assembler = None
             self._complete_key = assembler.key
             self.counters["versions_complete"] += 1
-            if assembler.key != self._shm_key:  # shared-memory members need no spare
-                self._prepare_spare(assembler.manifest.total_bytes)
+            # Shared-memory members need no spare for the bytes received, only for those opened.
+            spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
+            self._prepare_spares(assembler.manifest.total_bytes, spares)
             if self._on_complete is not None:
                 self._on_complete(assembler)
 
@@ -506,25 +565,26 @@ class WeightReceiver:
         self._after_offers(assembler, [chunk], [future.result()])
 
     def _take_spare(self, nbytes: int) -> np.ndarray | None:
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.nbytes == nbytes:
+        if self._spares and self._spares[-1].nbytes == nbytes:
             self.counters["spare_buffers_used"] += 1
-            return spare
+            return self._spares.pop()
+        self._spares.clear()
         return None
 
-    def _prepare_spare(self, nbytes: int) -> None:
+    def _prepare_spares(self, nbytes: int, count: int) -> None:
         """Map the next version's memory now, between versions, so that its page faults
         do not slow the next transfer (snapshots keep their size from version to version).
-        Costs one snapshot of memory while idle; ``prefault_next=False`` turns it off."""
-        if not self.prefault_next or self._group is None:
+        Costs ``count`` snapshots of memory while idle (a sealed version needs two: the
+        ciphertext received and the plaintext opened); ``prefault_next=False`` turns it off."""
+        if not self.prefault_next or self._group is None or count == 0:
             return
-        self._spare = None
+        self._spares = []
 
         async def prepare() -> None:
             loop = asyncio.get_running_loop()
-            spare = await loop.run_in_executor(self._pool, prefaulted_buffer, nbytes)
+            spares = [await loop.run_in_executor(self._pool, prefaulted_buffer, nbytes) for _ in range(count)]
             if self._assembler is None:  # not already assembling the next version
-                self._spare = spare
+                self._spares = spares
 
         self._group.create_task(prepare())
 
@@ -544,7 +604,13 @@ class WeightReceiver:
     def _push(self, address: str) -> ChunkSender:
         push = self._pushes.get(address)
         if push is None or push.closed:
-            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20)
+            plan, successor = self._plan, self._successor_names.get(address, "")
+            credentials = (
+                StreamCredentials(self.name, successor, plan.stream_secret)
+                if plan is not None and plan.stream_secret and successor
+                else None
+            )
+            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20, credentials=credentials)
             self._pushes[address] = push
         return push
 

@@ -25,19 +25,22 @@ from echo2.weights.chunks import ManifestRejected
 
 
 def signed_payload(manifest: WeightManifest) -> bytes:
-    """The bytes a signature covers: identity, layout and the snapshot digest."""
-    return msgspec.msgpack.encode(
-        [
-            b"echo2-manifest-v1",
-            manifest.incarnation,
-            manifest.version,
-            manifest.total_bytes,
-            manifest.chunk_bytes,
-            manifest.digest_algorithm,
-            manifest.digest,
-            manifest.tensors,
-        ]
-    )
+    """The bytes a signature covers: identity, layout and the snapshot digest, and for a
+    sealed version the check that commits it to its content key (so a forged key in a
+    signed manifest is refused; the key itself is secret and never signed)."""
+    fields = [
+        b"echo2-manifest-v1",
+        manifest.incarnation,
+        manifest.version,
+        manifest.total_bytes,
+        manifest.chunk_bytes,
+        manifest.digest_algorithm,
+        manifest.digest,
+        manifest.tensors,
+    ]
+    if manifest.seal_check:  # unsealed manifests sign exactly what they always did
+        fields.append(manifest.seal_check)
+    return msgspec.msgpack.encode(fields)
 
 
 def make_signing_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:

@@ -20,6 +20,26 @@ needs no trust in its peer. A frame that is not one (bad magic or format, or a b
 ``max_chunk_bytes``) is counted and its connection closed; the receiver keeps running and
 the chunks it lost are repaired like any others.
 
+Admission under ``[security]`` (``authenticate`` on the server, ``credentials`` on the
+sender). Before any frame, the inbox sends a challenge and the sender answers with its
+name and an HMAC proving it holds the current plan's ``stream_secret`` (which travels
+only in the ``RelayPlan``, on the CURVE-encrypted control channel)::
+
+    challenge (inbox -> sender, 40 bytes): magic b"E2SC", format u8 (=1), 3 pad bytes,
+              32 random bytes
+    answer    (sender -> inbox): magic b"E2SA", format u8 (=1), name length u8, 2 pad
+              bytes, the sender's name (UTF-8), then 32 bytes of
+              HMAC-SHA256(stream_secret, challenge | len(sender) u8 | sender
+                                              | len(receiver) u8 | receiver)
+
+The inbox reads nothing past the answer until ``authenticate`` admits the sender (the
+plan's publisher or the inbox's predecessor, checked by ``WeightReceiver``); a sender it
+cannot admit yet waits, not read, up to ``admit_wait_s`` for the plan naming it
+(``readmit``) and is then refused. Refusals (``refused``: wrong HMAC or not a sender of
+this inbox; ``refused_handshake``: no well-formed answer in time) are counted, logged
+once per peer, and closed. The frames themselves need no secrecy from the stream: under
+``[security]`` their bodies are ciphertext (``echo2.weights.seal``).
+
 Addresses are ``chunkstream://host:port``; ``WeightReceiver`` announces one in place of a
 ZeroMQ inbox and senders pick the transport by the scheme.
 """
@@ -27,9 +47,14 @@ ZeroMQ inbox and senders pick the transport by the scheme.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
 import logging
+import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -43,11 +68,54 @@ SCHEME = "chunkstream"
 MAGIC = b"E2CK"
 FORMAT = 1
 HEADER = struct.Struct("<4sB3xqqqQ")
+CHALLENGE = struct.Struct("<4sB3x32s")
+CHALLENGE_MAGIC = b"E2SC"
+ANSWER = struct.Struct("<4sBB2x")
+ANSWER_MAGIC = b"E2SA"
+MAC_BYTES = 32
 
 Destination = Callable[[PolicyVersion, int, int], "np.ndarray | None"]
 """(version, index, nbytes) -> the uint8 memory to receive that chunk into, or None (the
 receiver then reads it into a fresh buffer). Memory handed out is returned either as a
 delivered chunk or through ``abandon`` (connection lost mid-body)."""
+
+
+Authenticate = Callable[[bytes, str, bytes], bool]
+"""(challenge, sender name, mac) -> may this sender deliver to the inbox now? False may
+turn True later (the plan naming it is on its way): see ``ChunkStreamServer.readmit``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCredentials:
+    """What a sender proves to an inbox: its name, to whom, and the plan's stream secret."""
+
+    sender: str
+    receiver: str
+    secret: bytes
+
+
+def _name_field(name: str) -> bytes:
+    raw = name.encode()
+    if not 0 < len(raw) < 256:
+        raise ValueError(f"a chunk stream name must be 1-255 bytes, got {name!r}")
+    return bytes([len(raw)]) + raw
+
+
+def stream_mac(secret: bytes, challenge: bytes, sender: str, receiver: str) -> bytes:
+    """HMAC-SHA256(secret, challenge | len sender | sender | len receiver | receiver)."""
+    message = challenge + _name_field(sender) + _name_field(receiver)
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def answer_frame(credentials: StreamCredentials, challenge: bytes) -> bytes:
+    name = credentials.sender.encode()
+    mac = stream_mac(credentials.secret, challenge, credentials.sender, credentials.receiver)
+    return ANSWER.pack(ANSWER_MAGIC, FORMAT, len(name)) + name + mac
+
+
+def _peer_address(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
 def is_stream_address(address: str) -> bool:
@@ -68,6 +136,14 @@ class _Connection(asyncio.BufferedProtocol):
 
     def __init__(self, server: ChunkStreamServer) -> None:
         self._server = server
+        # Admission (server.authenticate set): "answer-head", "answer-body", "parked", then
+        # "frames"; an open inbox starts at "frames".
+        self.phase = "frames" if server.authenticate is None else "answer-head"
+        self.challenge = b""
+        self._answer = bytearray(ANSWER.size)
+        self.sender = ""
+        self.mac = b""
+        self._expiry: asyncio.TimerHandle | None = None
         self._header = bytearray(HEADER.size)
         self._header_view = memoryview(self._header)
         self._body: memoryview | None = None
@@ -84,8 +160,25 @@ class _Connection(asyncio.BufferedProtocol):
         self._server._connections.add(self)
         if self._server._paused:
             transport.pause_reading()
+        if self.phase != "frames":
+            self.challenge = os.urandom(32)
+            transport.write(CHALLENGE.pack(CHALLENGE_MAGIC, FORMAT, self.challenge))
+            loop = asyncio.get_running_loop()
+            self._expiry = loop.call_later(self._server.handshake_timeout_s, self._handshake_expired)
+
+    def _handshake_expired(self) -> None:
+        if self.phase.startswith("answer"):
+            self._server._refuse_handshake(self, "no answer to its challenge in time")
+
+    def admit(self) -> None:
+        self.phase = "frames"
+        self._got = 0
+        if self.transport is not None and not self._server._paused and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         self._server._connections.discard(self)
         if self._chunk is not None:
             # The peer went away mid-body: the destination it was writing is given back.
@@ -98,11 +191,19 @@ class _Connection(asyncio.BufferedProtocol):
         return self._chunk is not None
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.phase != "frames":
+            # Exactly the answer's remaining bytes: nothing after it is read before admission.
+            return memoryview(self._answer)[self._got :]
         if self._body is None:
             return self._header_view[self._got :]
         return self._body[self._got :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.phase != "frames":
+            self._got += nbytes
+            if self._got == len(self._answer):
+                self._answer_read()
+            return
         self._server.counters["reads"] += 1
         self._got += nbytes
         if self._body is None:
@@ -112,6 +213,28 @@ class _Connection(asyncio.BufferedProtocol):
             chunk, self._chunk, self._body, self._got = self._chunk, None, None, 0
             assert chunk is not None
             self._server._deliver(chunk)
+
+    def _answer_read(self) -> None:
+        server = self._server
+        if self.phase == "answer-head":
+            magic, fmt, name_len = ANSWER.unpack(self._answer)
+            if magic != ANSWER_MAGIC or fmt != FORMAT or name_len == 0:
+                server._refuse_handshake(self, "a malformed answer to its challenge")
+                return
+            self.phase, self._answer, self._got = "answer-body", bytearray(name_len + MAC_BYTES), 0
+            return
+        try:
+            self.sender = bytes(self._answer[:-MAC_BYTES]).decode()
+        except UnicodeDecodeError:
+            server._refuse_handshake(self, "a sender name that is not UTF-8")
+            return
+        self.mac = bytes(self._answer[-MAC_BYTES:])
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self.phase, self._got = "parked", 0
+        assert self.transport is not None
+        self.transport.pause_reading()  # until admitted
+        server._authenticate_connection(self)
 
     def _start_body(self) -> None:
         server = self._server
@@ -154,7 +277,15 @@ class ChunkStreamServer:
         *,
         max_chunk_bytes: int = 64 << 20,
         max_pending: int = 32,
+        authenticate: Authenticate | None = None,
+        admit_wait_s: float = 2.0,
+        handshake_timeout_s: float = 10.0,
     ) -> None:
+        self.authenticate = authenticate
+        self.admit_wait_s = admit_wait_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self._parked: dict[_Connection, float] = {}  # -> deadline (monotonic s)
+        self._refusals_logged: set[str] = set()
         self._on_chunk = on_chunk
         self._destination = destination
         self._abandon = abandon
@@ -165,7 +296,18 @@ class ChunkStreamServer:
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self.counters = dict.fromkeys(
-            ("chunks_in_place", "chunks_copied", "reads", "malformed", "frames_truncated", "pauses"), 0
+            (
+                "chunks_in_place",
+                "chunks_copied",
+                "reads",
+                "malformed",
+                "frames_truncated",
+                "pauses",
+                "admitted",
+                "refused",
+                "refused_handshake",
+            ),
+            0,
         )
 
     async def start(self, host: str, port: int = 0) -> int:
@@ -179,6 +321,52 @@ class ChunkStreamServer:
         the server owns it from now on."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), sock=listener)
+
+    # -- admission (authenticate set) ---------------------------------------------------
+
+    def _authenticate_connection(self, connection: _Connection) -> None:
+        assert self.authenticate is not None
+        if self.authenticate(connection.challenge, connection.sender, connection.mac):
+            self.counters["admitted"] += 1
+            connection.admit()
+            return
+        self._parked[connection] = time.monotonic() + self.admit_wait_s
+        asyncio.get_running_loop().call_later(self.admit_wait_s, self.readmit)
+
+    def readmit(self) -> None:
+        """Ask ``authenticate`` again about every waiting sender (call it when the plan
+        changes); refuse those whose wait is over."""
+        assert self.authenticate is not None or not self._parked
+        now = time.monotonic()
+        for connection, deadline_s in list(self._parked.items()):
+            transport = connection.transport
+            if transport is None or transport.is_closing():
+                del self._parked[connection]
+            elif self.authenticate is not None and self.authenticate(
+                connection.challenge, connection.sender, connection.mac
+            ):
+                del self._parked[connection]
+                self.counters["admitted"] += 1
+                connection.admit()
+            elif now >= deadline_s - 1e-3:
+                del self._parked[connection]
+                self.counters["refused"] += 1
+                self._log_refusal(
+                    f"{connection.sender!r} from {_peer_address(transport)}",
+                    "not the publisher or a predecessor in the plan, or a wrong HMAC",
+                )
+                transport.abort()
+
+    def _refuse_handshake(self, connection: _Connection, why: str) -> None:
+        self.counters["refused_handshake"] += 1
+        if connection.transport is not None:
+            self._log_refusal(f"a peer at {_peer_address(connection.transport)}", why)
+            connection.transport.abort()
+
+    def _log_refusal(self, who: str, why: str) -> None:
+        if who not in self._refusals_logged:  # once per peer: a refused peer may retry forever
+            self._refusals_logged.add(who)
+            log.warning("chunk stream: refused %s: %s", who, why)
 
     def _deliver(self, chunk: WeightChunk) -> None:
         self._pending += 1
@@ -196,8 +384,9 @@ class ChunkStreamServer:
         if self._paused and self._pending <= self.max_pending // 2:
             self._paused = False
             for connection in self._connections:
-                if connection.transport is not None and not connection.transport.is_closing():
-                    connection.transport.resume_reading()
+                transport = connection.transport
+                if transport is not None and not transport.is_closing() and connection.phase != "parked":
+                    transport.resume_reading()
 
     def drop_partial(self) -> int:
         """Close every connection that is in the middle of a chunk (its place goes back
@@ -213,6 +402,7 @@ class ChunkStreamServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        self._parked.clear()
         for connection in list(self._connections):
             if connection.transport is not None:
                 connection.transport.close()
@@ -228,7 +418,11 @@ class ChunkStreamSender:
     resumed.
     """
 
-    def __init__(self, address: str, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, address: str, *, connect_timeout_s: float = 5.0, credentials: StreamCredentials | None = None
+    ) -> None:
+        """``credentials``: answer the inbox's challenge with them (``[security]``)."""
+        self.credentials = credentials
         self.address = address
         self._host, self._port = parse_address(address)
         self.connect_timeout_s = connect_timeout_s
@@ -268,11 +462,28 @@ class ChunkStreamSender:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.sock_connect(sock, addr)
+                if self.credentials is not None:
+                    await self._answer_challenge(loop, sock, self.credentials)
         except BaseException:
             sock.close()
             raise
         self._sock = sock
         return sock
+
+    async def _answer_challenge(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, credentials: StreamCredentials
+    ) -> None:
+        challenge = bytearray(CHALLENGE.size)
+        view, got = memoryview(challenge), 0
+        while got < len(challenge):
+            n = await loop.sock_recv_into(sock, view[got:])
+            if n == 0:
+                raise TransportError(f"chunk stream to {self.address}: closed before its challenge")
+            got += n
+        magic, fmt, nonce = CHALLENGE.unpack(challenge)
+        if magic != CHALLENGE_MAGIC or fmt != FORMAT:
+            raise TransportError(f"chunk stream to {self.address}: not an inbox that authenticates senders")
+        await loop.sock_sendall(sock, answer_frame(credentials, nonce))
 
     def close(self) -> None:
         self.closed = True
@@ -284,8 +495,11 @@ class ChunkStreamSender:
 __all__ = [
     "HEADER",
     "SCHEME",
+    "Authenticate",
     "ChunkStreamSender",
     "ChunkStreamServer",
+    "StreamCredentials",
     "is_stream_address",
     "parse_address",
+    "stream_mac",
 ]
