@@ -148,3 +148,74 @@ process = "dst"
     assert resolved_port["curve_server"] is True
     received = RunDir(run_b).metrics("sink")[-1]
     assert received["count"] == 25
+
+
+async def test_a_port_of_trusted_actors_admits_its_hosts_keys_not_a_workers(transport: Transport, keys: Path) -> None:
+    """A worker's allowed key opens the worker channels only: a CURVE server that admits
+    the learner host's key alone (``CurveServer.admits``) refuses it at the handshake."""
+    server_keys = load_keypair(keys / "server.key_secret")
+    learner = load_keypair(keys / "impostor.key_secret")  # stands for a trusted host's key
+    worker = load_keypair(keys / "worker.key_secret")  # allowed: it may use the worker channels
+    transport.enable_curve(load_public_keys([keys / "allowed"]))
+    open_port = transport.router(name="tasks", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys))
+    internal = transport.router(
+        name="batch", bind=["tcp://127.0.0.1:0"], curve=CurveServer(server_keys, admits=frozenset({learner.public}))
+    )
+    monitors = {
+        ep.name: ep._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED) for ep in (open_port, internal)
+    }
+    clients = []
+    try:
+
+        def client(name: str, pair, server) -> None:  # type: ignore[no-untyped-def]
+            url = server.endpoints[0]
+            clients.append(
+                transport.dealer(name=name, connect=[url], curve=CurveClient(pair, {url: server_keys.public}))
+            )
+
+        client("worker-tasks", worker, open_port)
+        event = await _next_event(monitors["tasks"], zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED  # its own channel
+        client("worker-batch", worker, internal)
+        event = await _next_event(monitors["batch"], zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
+        assert event["event"] & FAILED, event  # allowed, but not on this port
+        client("learner-batch", learner, internal)
+        event = await _next_event(monitors["batch"], zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED  # not on the allow-list, but this port's host
+        await clients[-1].send(Hello(peer_id="learner", role="learner"))
+        peer, hello = await internal.recv()
+        assert isinstance(hello, Hello) and internal.user_id(peer) == learner.public.decode()
+        assert internal.statistics().received == 1
+    finally:
+        for ep in (open_port, internal):
+            ep._socket.disable_monitor()
+        for monitor in monitors.values():
+            monitor.close(linger=0)
+        for c in clients:
+            c.close()
+        open_port.close()
+        internal.close()
+
+
+def test_curve_ports_of_trusted_actors_admit_only_their_peers_hosts() -> None:
+    """Derived addresses: with CURVE on, ports samplers connect to admit every allowed key;
+    the Buffer's ``batch`` port (the learner's host connects) admits that host alone."""
+    from echo2.topology import load_topology
+    from echo2.topology.addresses import derive_addresses
+    from echo2.topology.schema import placements
+
+    root = Path(__file__).resolve().parents[1]
+    # The data process moved to an edge host: the learner reaches its Buffer across hosts.
+    overrides = ["security.curve=true", 'processes.data.host="edge-a"']
+    topology = load_topology(root / "examples" / "multihost.toml", overrides)
+    addresses = derive_addresses(placements(topology), topology.hosts, "t", curve=True)
+    ports = {(actor, port): a for actor, by_port in addresses.ports.items() for port, a in by_port.items()}
+    servers = {key: a for key, a in ports.items() if a.curve_server}
+    assert servers, "the example has cross-host ports"
+    sampler_channels = {"tasks", "rollouts", "weights", "telemetry"}
+    for (actor, port), a in servers.items():
+        if port in sampler_channels:
+            assert a.curve_clients == (), (actor, port)
+        else:
+            assert a.curve_clients and all(h in topology.hosts for h in a.curve_clients), (actor, port, a)
+    assert servers[("buffer", "batch")].curve_clients == ("learner",)

@@ -72,6 +72,9 @@ class PortAddresses(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Bound for peers on other hosts with CURVE on: a CURVE server."""
     curve_servers: tuple[str, ...] = ()
     """Per connect URL: the host whose CURVE public key to pin ("" = plain)."""
+    curve_clients: tuple[str, ...] = ()
+    """A CURVE server's admitted clients: the hosts whose keys may connect; () admits every
+    allowed key (a port that untrusted workers use, ``Actor.trusted``)."""
 
 
 class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -90,6 +93,11 @@ class Actor:
     """False if a process the launcher restarts (``restart = "on-failure"``) would run this
     actor over from nothing while its peers carry on (the Learner: step 0); the setting is
     then refused at topology load for its process."""
+    trusted: ClassVar[bool] = True
+    """False for an actor the job's owner may not control (a Sampler on a rented or
+    volunteered machine). With CURVE on, a port such an actor connects to admits every
+    allowed key; any other port admits only the keys of the hosts whose actors connect to
+    it, so a worker's key opens the worker channels and nothing else."""
 
     def __init__(self, name: str, config: ActorConfig | None = None, job: JobConfig | None = None):
         self.name = name

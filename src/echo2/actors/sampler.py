@@ -106,6 +106,7 @@ class SamplerConfig(ActorConfig, frozen=True):
 
 class Sampler(Actor):
     kind: ClassVar[str] = "sampler"
+    trusted: ClassVar[bool] = False
     Config = SamplerConfig
     ports: ClassVar[dict[str, Port]] = {
         "tasks": Port("dealer", bind=False),

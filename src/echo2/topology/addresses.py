@@ -124,11 +124,17 @@ def derive_addresses(
     # With CURVE on, a binder reachable from other hosts is a CURVE server on all its
     # endpoints, so every connection to it (same host too) must be a CURVE client.
     owner_of_url = {}
+    admitted: dict[tuple[str, str], tuple[str, ...]] = {}  # (actor, port) -> client hosts, () = any
     for channel, owners in binders.items():
         for owner, port_name in owners:
             if curve and (owner.actor, port_name) in tcp_ports:
                 for peer in [*connectors.get(channel, []), *telemetry_peers]:
                     owner_of_url[url(owner, port_name, peer, bind=False)] = owner.host
+                peers = connectors.get(channel, [])
+                # Every process publishes telemetry, workers' too; other ports used only by
+                # trusted actors admit the keys of their hosts alone.
+                if channel != TELEMETRY_CHANNEL and all(peer.trusted for peer in peers):
+                    admitted[(owner.actor, port_name)] = tuple(sorted({peer.host for peer in peers}))
     ports = {
         actor: {
             port: PortAddresses(
@@ -136,6 +142,7 @@ def derive_addresses(
                 connect=tuple(urls["connect"]),
                 curve_server=curve and (actor, port) in tcp_ports,
                 curve_servers=tuple(owner_of_url.get(u, "") for u in urls["connect"]) if curve else (),
+                curve_clients=admitted.get((actor, port), ()),
             )
             for port, urls in by_port.items()
         }

@@ -189,6 +189,8 @@ class Placement:
     process: str
     host: str
     ports: Mapping[str, Port]
+    trusted: bool = True
+    """``Actor.trusted`` of its class: False for workers the job's owner may not control."""
 
 
 def placements(topology: Topology) -> list[Placement]:
@@ -198,6 +200,7 @@ def placements(topology: Topology) -> list[Placement]:
             process=a.process,
             host=topology.processes[a.process].host,
             ports=a.cls.ports,
+            trusted=a.cls.trusted,
         )
         for a in topology.actors.values()
     ]

@@ -16,6 +16,7 @@ made by ``python -m echo2.keys``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -40,9 +41,11 @@ class CurveKeyPair:
 
 @dataclasses.dataclass(frozen=True)
 class CurveServer:
-    """This socket accepts CURVE clients whose keys the process's authenticator allows."""
+    """This socket accepts CURVE clients whose keys the process's authenticator allows:
+    ``admits`` only, when given (a port of trusted actors), else every allowed key."""
 
     keys: CurveKeyPair
+    admits: frozenset[bytes] | None = None  # z85 public keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +93,19 @@ def load_public_keys(paths: Iterable[str | Path]) -> set[bytes]:
     return keys
 
 
+def zap_domain(server: CurveServer) -> bytes:
+    """The ZAP domain a server socket authenticates in: one per set of admitted keys."""
+    if server.admits is None:
+        return ZAP_DOMAIN
+    digest = hashlib.blake2b(b"\n".join(sorted(server.admits)), digest_size=8).hexdigest()
+    return ZAP_DOMAIN + b"-only-" + digest.encode()
+
+
 def apply_server(socket: zmq.Socket, server: CurveServer) -> None:
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_SECRETKEY, server.keys.secret)
     socket.setsockopt(zmq.CURVE_PUBLICKEY, server.keys.public)
-    socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    socket.setsockopt(zmq.ZAP_DOMAIN, zap_domain(server))
     socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
@@ -123,11 +134,17 @@ class CurveSettings:
         )
 
     def for_urls(
-        self, curve_server: bool, connect: Sequence[str], servers: Sequence[str]
+        self, curve_server: bool, connect: Sequence[str], servers: Sequence[str], clients: Sequence[str] = ()
     ) -> CurveServer | CurveClient | None:
-        """The CURVE role of a socket from its resolved addresses."""
+        """The CURVE role of a socket from its resolved addresses (``clients``: the hosts a
+        server admits; none: every allowed key)."""
         if curve_server:
-            return CurveServer(self.keys)
+            if not clients:
+                return CurveServer(self.keys)
+            missing = [host for host in clients if host not in self.server_keys]
+            if missing:
+                raise ConfigError(f"no public key for host {missing[0]!r} (expected {missing[0]}.key in the keys dir)")
+            return CurveServer(self.keys, admits=frozenset(self.server_keys[host] for host in clients))
         pinned = {}
         for url, host in zip(connect, servers, strict=False):
             if host:
@@ -141,7 +158,9 @@ class CurveSettings:
         return CurveClient(self.keys, pinned)
 
     def for_port(self, addresses: Any) -> CurveServer | CurveClient | None:
-        return self.for_urls(addresses.curve_server, addresses.connect, addresses.curve_servers)
+        return self.for_urls(
+            addresses.curve_server, addresses.connect, addresses.curve_servers, addresses.curve_clients
+        )
 
 
 class Authenticator:
@@ -153,15 +172,26 @@ class Authenticator:
     def __init__(self, context: zmq.Context, allowed: set[bytes]) -> None:
         self.allowed = set(allowed)
         self.refused = 0
+        self._only: dict[str, frozenset[bytes]] = {}  # ZAP domain -> the keys it admits
         self._zap = zmq.auth.asyncio.AsyncioAuthenticator(context)
         self._zap.configure_curve_callback(domain=ZAP_DOMAIN.decode(), credentials_provider=self)
 
+    def serve(self, server: CurveServer) -> None:
+        """Authenticate ``server``'s domain: call before the socket binds."""
+        if server.admits is not None:
+            domain = zap_domain(server).decode()
+            if domain not in self._only:
+                self._only[domain] = server.admits
+                self._zap.configure_curve_callback(domain=domain, credentials_provider=self)
+
     def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's credentials-provider hook: is this (z85) client public key allowed?"""
-        allowed = key in self.allowed
+        """pyzmq's credentials-provider hook: does this (z85) client public key get in here?"""
+        only = self._only.get(domain)
+        allowed = key in self.allowed if only is None else key in only
         if not allowed:
             self.refused += 1
-            log.warning("refused a CURVE client with an unknown key (%d refused so far)", self.refused)
+            what = "an unknown key" if key not in self.allowed else "a key not admitted on this port"
+            log.warning("refused a CURVE client with %s (%d refused so far)", what, self.refused)
         return allowed
 
     def start(self) -> None:

@@ -103,6 +103,7 @@ class Transport:
             if isinstance(curve, CurveServer):
                 if self._authenticator is None:
                     raise TransportError(f"{name}: a CURVE server needs enable_curve() first")
+                self._authenticator.serve(curve)
                 apply_server(socket, curve)
                 endpoint.track_user_ids()
             elif isinstance(curve, CurveClient):
