@@ -478,3 +478,63 @@ def test_only_the_learner_process_spins_its_openmp_threads(monkeypatch: pytest.M
     assert env(critical=False)["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # a user's own setting wins
     assert env(critical=True)["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+TWO_HOST_JOB = """
+[run]
+name = "ends"
+drain_timeout_s = 5.0
+deadline_s = 90.0
+[job]
+staleness = 2
+group_size = 2
+groups_per_step = 2
+max_new_tokens = 5
+[hosts.a]
+address = "127.0.0.1"
+[hosts.b]
+address = "127.0.0.1"
+port_base = {port}
+[processes.data]
+host = "a"
+[processes.learner]
+host = "a"
+[processes.edge]
+host = "b"
+[actors.prompt_source]
+kind = "prompt_source"
+process = "data"
+[actors.rewarder]
+kind = "rewarder"
+process = "data"
+[actors.buffer]
+kind = "buffer"
+process = "data"
+[actors.learner]
+kind = "learner"
+process = "learner"
+config = {{ max_steps = 4, simulated_train_s = 0.05, eval_every = 0, eval_prompts = 2, checkpoint_every = 0 }}
+[actors.weight_publisher]
+kind = "weight_publisher"
+process = "learner"
+[actors.sampler]
+kind = "sampler"
+process = "edge"
+config = {{ engine = "simulated", engine_kwargs = {{ seconds_per_token = 0.001, success_rate = 0.5 }}, credits = 2 }}
+"""
+
+
+@pytest.mark.timeout(100)
+def test_a_workers_only_host_stops_when_the_run_ends_not_at_its_deadline(tmp_path: Path) -> None:
+    """The learner's host finishes the run; the edge host's launcher, which holds only a
+    sampler, hears RunEnded from the PromptSource and exits 0 (not 124 at ``deadline_s``)."""
+    topology = write(tmp_path, TWO_HOST_JOB.format(port=_free_port()))
+    with start(topology, "--host", "b", "--run-dir", tmp_path / "b") as edge:
+        with start(topology, "--host", "a", "--run-dir", tmp_path / "a") as learner_host:
+            out_a, _ = learner_host.communicate(timeout=80)
+            assert learner_host.returncode == 0, out_a
+            out_b, _ = edge.communicate(timeout=15)  # well before its 90 s deadline
+    assert edge.returncode == 0, out_b
+    assert "the run is over" in out_b and "completed the run" in out_b, out_b
+    status = json.loads(RunDir(the_run_dir(tmp_path / "b")).status_path.read_text())
+    assert status["exit_code"] == 0 and status["processes"] == {"edge": 0}, status

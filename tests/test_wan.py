@@ -98,7 +98,6 @@ def test_the_example_trains_across_hosts_and_every_launcher_exits(multihost_run:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="issue 13: remote launchers are not told that the run is over")
 def test_every_launcher_exits_by_itself_within_10_s_of_the_learner(multihost_run: JobResult) -> None:
     late = {h: t for h, t in multihost_run.exit_after_learner_s.items() if t is None or t > 10.0}
     assert not late, f"launchers still running 10 s after the learner's exited: {late}"

@@ -165,6 +165,15 @@ class Welcome(Message, frozen=True):
     """The model to serve (None: the server does not say; e.g. a transport-only job)."""
 
 
+class RunEnded(Message, frozen=True):
+    """PromptSource -> every welcomed Sampler on ``tasks``, as the trusted side stops: the
+    run is over. The sampler stops and its process exits 0, so a launcher holding only
+    workers (a remote host) ends too instead of running, and billing, until its deadline."""
+
+    server_id: str
+    reason: str = ""
+
+
 class Probe(Message, frozen=True):
     """Server -> a connection it already knows, to learn whether that connection is still
     up (a send to a closed one fails at once). Carries nothing; clients ignore it."""
@@ -733,6 +742,7 @@ AnyMessage = (
     Hello
     | Welcome
     | Probe
+    | RunEnded
     | EndOfStreamMsg
     | Heartbeat
     | MetricsRecord

@@ -82,6 +82,7 @@ from echo2.messages import (
     LeaseRecords,
     ModelIdentity,
     PromptSourceStats,
+    RunEnded,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -102,6 +103,8 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     """Groups leased or stored but not yet trained; 0 = groups_per_step * min(S + 1, 2)."""
     expiry_check_s: Annotated[float, Meta(gt=0)] = 0.5
     """Seconds between two checks of lease deadlines (granularity of expiry)."""
+    end_notice_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    """Most seconds spent telling samplers the run is over (``RunEnded``) as it stops."""
     max_tasks: Annotated[int, Meta(ge=0)] = 0
     """Stop after this many distinct tasks (0 = unlimited)."""
     activation: ActivationPolicy = "all"
@@ -327,6 +330,18 @@ class PromptSource(Actor):
             self._serve_lease_queries(),
         )
         self.ctx.record("activation_summary", **self._cost_values())
+        await self._announce_end()
+
+    async def _announce_end(self) -> None:
+        """Tell every welcomed sampler that the run is over (``RunEnded``): samplers on other
+        hosts stop, and so do their launchers."""
+        ended = RunEnded(server_id=self.name, reason="the trusted side stopped the run")
+        try:
+            async with asyncio.timeout(self.config.end_notice_timeout_s):  # a gone peer must not hold the drain
+                for route in self._peers.routes():
+                    await self._tasks_ep.send(route, ended)
+        except TimeoutError:
+            self.ctx.log.warning("run end not announced to every sampler within %g s", self.config.end_notice_timeout_s)
 
     # -- activation ------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from echo2.messages import (
     ModelIdentity,
     PolicyVersion,
     RolloutGroup,
+    RunEnded,
     SamplerStats,
     TaskLease,
     WeightsInstalled,
@@ -107,6 +108,9 @@ class SamplerConfig(ActorConfig, frozen=True):
 class Sampler(Actor):
     kind: ClassVar[str] = "sampler"
     trusted: ClassVar[bool] = False
+    completes_run: ClassVar[bool] = True
+    """It returns only when the PromptSource announces the end of the run (``RunEnded``):
+    its process has then nothing left to do, and a remote host's launcher stops."""
     Config = SamplerConfig
     ports: ClassVar[dict[str, Port]] = {
         "tasks": Port("dealer", bind=False),
@@ -161,6 +165,7 @@ class Sampler(Actor):
         self._ready: SnapshotAssembler | None = None
         self._installed: PolicyVersion | None = None
         self._welcomed = False  # nothing but Hello goes on ``tasks`` before Welcome
+        self._run_ended = asyncio.Event()
         self.counters = dict.fromkeys(("groups_sent", "samples_generated", "tokens_generated", "installs"), 0)
         self.generate_s = 0.0
         self.wait_weights_s = 0.0
@@ -224,16 +229,22 @@ class Sampler(Actor):
         # one-line error, and a sampler that is not welcomed subscribes to nothing.
         welcomed, _ = await until_stopping(self.ctx.stopping, self._handshake())
         if welcomed:
-            await run_until_stopped(
-                self.ctx.stopping, self._receive_leases(), self._receive_weights(), self._generate()
+            # Until the process stops, or the PromptSource says the run is over (RunEnded):
+            # then this actor returns, which completes the run for its process.
+            loops = run_until_stopped(
+                self._run_ended, self._receive_leases(), self._receive_weights(), self._generate()
             )
+            await until_stopping(self.ctx.stopping, loops)
 
     async def _receive_leases(self) -> None:
         self._owed += self.config.credits
         await self._tasks.send(self._work_request(self.config.credits))
         while True:
             for message in await self._tasks.recv_many():
-                if isinstance(message, TaskLease):
+                if isinstance(message, RunEnded):
+                    self.ctx.log.warning("the run is over (%s: %s); stopping", message.server_id, message.reason)
+                    self._run_ended.set()
+                elif isinstance(message, TaskLease):
                     self._owed = max(0, self._owed - 1)
                     self._leases.append(message)
                     self._have_work.set()

@@ -95,6 +95,10 @@ class PeerTable:
         """The name bound to this connection, or None (never claimed, refused or replaced)."""
         return self._name_of.get(route)
 
+    def routes(self) -> list[bytes]:
+        """The connections that hold a name now."""
+        return list(self._route_of.values())
+
     def route_of(self, name: str) -> bytes | None:
         return self._route_of.get(name)
 
