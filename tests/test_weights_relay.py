@@ -415,3 +415,45 @@ async def test_a_corrupt_or_missing_shared_memory_version_is_repaired(tmp_path, 
         await h.wait_complete(["a"], 2)
         assert equal_to(h.complete["a"][-1], snap)
         assert receiver.counters["shm_failures"] == 1
+
+
+def test_t_bcast_is_recorded_for_superseded_versions_and_for_those_that_never_reach_it() -> None:
+    """Issue 13: when broadcast is the bottleneck, most versions are superseded before
+    enough members install them; each still gets one ``broadcast`` record: its T_bcast when
+    late installs reach the threshold, else (once it leaves the tracked window) what it got."""
+    from echo2.messages import WeightsInstalled
+    from echo2.weights.broadcaster import TRACKED_VERSIONS, _Version
+
+    records: list[dict] = []  # type: ignore[type-arg]
+    transport = Transport()
+    router = transport.router(name="pub.weights", bind=["inproc://test-t-bcast"])
+    try:
+        broadcaster = WeightBroadcaster(transport, router, chunk_bytes=CHUNK, gamma=1.0, on_bcast=records.append)
+
+        def publish(version: int) -> None:  # what _stream does before it sends anything
+            v = _Version(snapshot(version, nbytes=CHUNK), make_manifest(snapshot(version, nbytes=CHUNK), CHUNK))
+            v.bcast.active, v.bcast.published_s = frozenset({"a", "b"}), 0.0
+            broadcaster._latest = v
+            broadcaster._track(v.bcast)
+
+        def installed(name: str, version: int) -> None:
+            broadcaster._on_installed(
+                WeightsInstalled(sampler_id=name, incarnation=1, version=version, install_s=0.0, time_s=0.0)
+            )
+
+        publish(1)
+        publish(2)  # v1 superseded with no install yet
+        installed("a", 1)
+        installed("b", 1)  # a slow member finished the version it was on
+        assert [(r["version"], r["superseded"], r["installed"]) for r in records] == [(1, True, 2)]
+        assert records[0]["t_bcast_s"] > 0 and broadcaster.t_bcast[(1, 1)] == records[0]["t_bcast_s"]
+        installed("a", 2)  # half of v2's members: below gamma = 1's threshold
+        for version in range(3, 3 + TRACKED_VERSIONS):
+            publish(version)
+        late = [r for r in records if r["version"] == 2]
+        assert late == [{**late[0], "t_bcast_s": None, "installed": 1, "active": 2, "superseded": True}]
+        installed("b", 2)  # no longer tracked: nothing more is recorded for it
+        assert len([r for r in records if r["version"] == 2]) == 1
+    finally:
+        router.close()
+        transport.close()

@@ -6,6 +6,7 @@ See ``echo2.weights`` for the whole path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -69,18 +70,44 @@ class _Member:
 
 
 @dataclasses.dataclass
-class _Version:
-    snapshot: Snapshot
-    manifest: WeightManifest
+class _Bcast:
+    """One published version's broadcast: who it went to, who installed it, T_bcast. Kept
+    for the last ``TRACKED_VERSIONS`` versions (without their snapshots)."""
+
+    key: PolicyVersion
+    total_bytes: int
     published_s: float = 0.0
     active: frozenset[str] = frozenset()
     installed: set[str] = dataclasses.field(default_factory=set)
     t_bcast_s: float | None = None
+    reported: bool = False
+
+
+TRACKED_VERSIONS = 8
+"""Versions whose installs still count toward their T_bcast after newer ones were published."""
+
+
+@dataclasses.dataclass
+class _Version:
+    snapshot: Snapshot
+    manifest: WeightManifest
     shm_path: str | None = None
+    bcast: _Bcast = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bcast = _Bcast(key=self.key, total_bytes=self.manifest.total_bytes)
 
     @property
     def key(self) -> PolicyVersion:
         return self.manifest.policy_version
+
+    @property
+    def active(self) -> frozenset[str]:
+        return self.bcast.active
+
+    @property
+    def published_s(self) -> float:
+        return self.bcast.published_s
 
 
 Fault = Callable[[str, WeightChunk], WeightChunk | None]
@@ -145,6 +172,7 @@ class WeightBroadcaster:
         self.shm_id = shm_identity(shm_dir)
         self._shm_files: list[str] = []
         self.t_bcast: dict[PolicyVersion, float] = {}
+        self._recent: collections.OrderedDict[PolicyVersion, _Bcast] = collections.OrderedDict()
         self.last_t_bcast_s = float("nan")
         self.counters = dict.fromkeys(
             (
@@ -300,8 +328,9 @@ class WeightBroadcaster:
         member = self._members.get(message.sampler_id)
         if member is not None:
             member.installed = max(member.installed, key)
-        version = self._latest
-        if version is None or version.key != key:
+        # Superseded versions count too: when broadcast is the bottleneck, most are.
+        version = self._recent.get(key)
+        if version is None:
             return
         version.installed.add(message.sampler_id)
         done = len(version.installed & version.active)
@@ -310,19 +339,34 @@ class WeightBroadcaster:
             version.t_bcast_s = time.monotonic() - version.published_s
             self.t_bcast[key] = version.t_bcast_s
             self.last_t_bcast_s = version.t_bcast_s
-            if self._on_bcast is not None:
-                self._on_bcast(
-                    {
-                        "incarnation": key.incarnation,
-                        "version": key.version,
-                        "t_bcast_s": version.t_bcast_s,
-                        "installed": done,
-                        "active": len(version.active),
-                        "mode": self.mode,
-                        "sealed": self.sealed,
-                        "bytes": version.manifest.total_bytes,
-                    }
-                )
+            self._report(version)
+
+    def _report(self, version: _Bcast) -> None:
+        """The ``broadcast`` record of a version, once: at its T_bcast, or when it leaves the
+        window of tracked versions without reaching it (``t_bcast_s`` None)."""
+        if version.reported or self._on_bcast is None:
+            return
+        version.reported = True
+        self._on_bcast(
+            {
+                "incarnation": version.key.incarnation,
+                "version": version.key.version,
+                "t_bcast_s": version.t_bcast_s,
+                "installed": len(version.installed & version.active),
+                "active": len(version.active),
+                "superseded": self._latest is not None and self._latest.key != version.key,
+                "mode": self.mode,
+                "sealed": self.sealed,
+                "bytes": version.total_bytes,
+            }
+        )
+
+    def _track(self, version: _Bcast) -> None:
+        """Follow ``version``'s installs; the oldest tracked one past the window is reported as it stands."""
+        self._recent[version.key] = version
+        while len(self._recent) > TRACKED_VERSIONS:
+            _, oldest = self._recent.popitem(last=False)
+            self._report(oldest)
 
     async def _send(self, peer: bytes, message: Any) -> bool:
         try:
@@ -392,9 +436,10 @@ class WeightBroadcaster:
 
     async def _stream(self, version: _Version) -> None:
         names = sorted(self.members())
-        version.active = frozenset(names)
-        version.published_s = time.monotonic()
+        version.bcast.active = frozenset(names)
+        version.bcast.published_s = time.monotonic()
         self._latest = version
+        self._track(version.bcast)
         self.counters["published"] += 1
         # Members sharing this host map the version from shared memory (written while the
         # others' stream starts); the plan covers the others.
