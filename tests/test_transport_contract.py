@@ -1,7 +1,7 @@
 """The transport contract, checked once per medium (inproc, ipc, tcp).
 
-Every contract test takes ``url_factory`` and so runs three times (the last test, the
-protocol document's example peer, is tcp only); the ``transport`` fixture fails any test
+Every contract test takes ``url_factory`` and so runs three times (the last tests, the
+protocol document's example sampler, are tcp only); the ``transport`` fixture fails any test
 that leaves an endpoint open. Synchronization is by handshake (XPUB sees the
 subscription) or by the data itself, never by sleeping. The only timeouts are negative
 checks ("this send is still blocked") and hang guards.
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
-import re
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -629,18 +630,62 @@ async def test_a_bundle_with_data_frames_is_malformed(transport: Transport, url_
 # ----------------------------------------------------------------------- protocol document
 
 
-async def test_protocol_doc_example_is_a_valid_peer(transport: Transport) -> None:
-    """The plain pyzmq + msgpack client in docs/protocol.md talks to an echo2 ROUTER."""
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
-    found = re.search(r"<!-- example:begin -->\n```python\n(.*?)```\n<!-- example:end -->", doc, re.S)
-    assert found, "docs/protocol.md lost its example block"
+def _doc_example(tmp_path: Path, tasks_address: str) -> list[str]:
+    """The command that runs docs/protocol.md's example sampler as ``stranger``, with
+    ``tasks`` at ``tasks_address`` (a resolved topology of its own; the other addresses
+    lead nowhere: these tests end before it uses them)."""
+    from tests.test_foreign_sampler import example_code
+
+    (tmp_path / "sampler.py").write_text(example_code())
+    entry = {"name": "stranger", "ports": {"tasks": {"connect": [tasks_address]}, "rollouts": {"connect": []},
+                                           "weights": {"connect": ["tcp://127.0.0.1:9"]}}}  # fmt: skip
+    resolved = {"hosts": {"h": {"address": "127.0.0.1"}}, "processes": {"p": {"host": "h", "actors": [entry]}}}
+    (tmp_path / "resolved.json").write_text(json.dumps(resolved))
+    return [sys.executable, str(tmp_path / "sampler.py"), str(tmp_path / "resolved.json"), "stranger"]
+
+
+async def test_protocol_doc_example_retries_a_busy_name_checks_the_model_and_asks_for_work(
+    transport: Transport, tmp_path: Path
+) -> None:
+    """The plain pyzmq + msgpack sampler of docs/protocol.md against an echo2 ROUTER: Hello
+    under a routing id of its own, Hello again after a refusal with a delay, and, welcomed
+    for the built-in model (whose tokenizer digest it computes itself), its first credit."""
+    from echo2.models.identity import model_identity
+
     async with transport.open("router", name="tasks", bind=["tcp://127.0.0.1:0"]) as router:
-        code = found.group(1).replace("tcp://127.0.0.1:5555", router.endpoints[0])
-        assert router.endpoints[0] in code
-        client = asyncio.ensure_future(asyncio.to_thread(exec, compile(code, "docs/protocol.md", "exec"), {}))
-        peer, hello = await router.recv()
-        assert (peer, hello) == (b"sampler-ext", Hello(peer_id="sampler-ext", role="sampler"))
-        assert await router.send(peer, Welcome(server_id="tasks", accepted=True))
-        assert await router.recv() == (peer, WorkRequest(sampler_id="sampler-ext", credits=4))
-        await client
+        client = await asyncio.create_subprocess_exec(*_doc_example(tmp_path, router.endpoints[0]))
+        try:
+            peer, hello = await router.recv()
+            assert peer.startswith(b"stranger/") and hello == Hello(peer_id="stranger", role="sampler")
+            busy = Welcome(server_id="tasks", accepted=False, refusal="name_in_use", retry_after_s=0.1)
+            assert await router.send(peer, busy)
+            assert await router.recv() == (peer, hello)  # again, on the same connection
+            assert await router.send(peer, Welcome(server_id="tasks", accepted=True, model=model_identity("")))
+            assert await router.recv() == (peer, WorkRequest(sampler_id="stranger", credits=8))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                client.kill()
+            await client.wait()
         assert router.statistics().decode_errors == 0
+
+
+@pytest.mark.parametrize("ending", ["permanent refusal", "another model"])
+async def test_protocol_doc_example_stops_when_refused_or_told_of_another_model(
+    transport: Transport, tmp_path: Path, ending: str
+) -> None:
+    from echo2.messages import ModelIdentity
+
+    if ending == "permanent refusal":
+        welcome = Welcome(server_id="tasks", accepted=False, refusal="protocol_version", reason="speaks version 2")
+    else:
+        other = ModelIdentity(model_id="other", tokenizer_digest="ab", architecture_digest="cd", vocab_size=49152)
+        welcome = Welcome(server_id="tasks", accepted=True, model=other)
+    async with transport.open("router", name="tasks", bind=["tcp://127.0.0.1:0"]) as router:
+        client = await asyncio.create_subprocess_exec(
+            *_doc_example(tmp_path, router.endpoints[0]), stderr=asyncio.subprocess.PIPE
+        )
+        peer, _ = await router.recv()
+        assert await router.send(peer, welcome)
+        _, err = await client.communicate()
+    assert client.returncode != 0
+    assert ("speaks version 2" if ending == "permanent refusal" else "another model") in err.decode()
