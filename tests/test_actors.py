@@ -389,3 +389,36 @@ async def test_sampler_batch_wait_is_bounded_and_off_by_default() -> None:
     late._owed = 3
     await asyncio.wait_for(late._fill_batch(), 5)
     assert [lease.lease_id for lease in late._take_batch()] == [0]
+
+
+async def test_a_sampler_that_cannot_reach_its_prompt_source_says_so_and_where(transport: Transport) -> None:
+    """Nothing answers its Hello (a wrong or unreachable address): instead of silence, a
+    line every ``unreachable_log_s`` names the address it waits on."""
+    import logging
+
+    from echo2.actors.sampler import Sampler, SamplerConfig
+
+    said = asyncio.Event()
+    lines: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no answer from the PromptSource" in record.getMessage():
+                lines.append(record.getMessage())
+                if len(lines) == 2:
+                    said.set()
+
+    engine = {"seconds_per_token": 0.0, "success_rate": 0.5}
+    sampler = Sampler(
+        "lonely", SamplerConfig(engine="simulated", engine_kwargs=engine, unreachable_log_s=0.05), JobConfig()
+    )
+    handler = Catch()
+    logging.getLogger("echo2.lonely").addHandler(handler)
+    try:
+        async with running(sampler, transport) as prefix:
+            async with asyncio.timeout(10):
+                await said.wait()
+    finally:
+        logging.getLogger("echo2.lonely").removeHandler(handler)
+    assert f"inproc://{prefix}/peer-tasks" in lines[0] and "reachable" in lines[0], lines
+    assert sampler.counters["groups_sent"] == 0

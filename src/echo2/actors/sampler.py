@@ -67,6 +67,8 @@ from echo2.weights.plan import DataPlane
 
 
 class SamplerConfig(ActorConfig, frozen=True):
+    unreachable_log_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds between two log lines while the PromptSource has not answered our Hello."""
     engine: EngineKind = "torch"
     """Engine kind: "torch" (built-in or Hugging Face model, pure torch), "hf" (same, HF
     only), "vllm" (extra echo2[vllm]) or "simulated" (no compute, for scale tests)."""
@@ -185,9 +187,7 @@ class Sampler(Actor):
         hello = Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
         while True:
             await self._tasks.send(hello)
-            reply = await self._tasks.recv()
-            while not isinstance(reply, Welcome):
-                reply = await self._tasks.recv()
+            reply = await self._wait_welcome()
             if reply.accepted:
                 break
             if reply.retry_after_s <= 0:
@@ -197,6 +197,25 @@ class Sampler(Actor):
         if reply.model is not None:
             check_model(reply.model, self.engine.model_identity())
         self._welcomed = True
+
+    async def _wait_welcome(self) -> Welcome:
+        """The PromptSource's answer to our Hello; until it comes, a line every
+        ``unreachable_log_s`` says we wait for it, and where (a wrong or unreachable address
+        otherwise looks like a sampler that does nothing)."""
+        started = time.monotonic()
+        while True:
+            try:
+                async with asyncio.timeout(self.config.unreachable_log_s):
+                    while not isinstance(reply := await self._tasks.recv(), Welcome):
+                        pass
+                    return reply
+            except TimeoutError:
+                where = ", ".join(self._tasks.endpoints) or "tasks"
+                self.ctx.log.warning(
+                    "no answer from the PromptSource at %s to Hello for %.1f s: is it running, and that address reachable from here?",
+                    where,
+                    time.monotonic() - started,
+                )
 
     def statistics(self) -> SamplerStats:
         receiver = getattr(self, "_receiver", None)
