@@ -118,6 +118,29 @@ def _peer_address(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
+_TCP_INFO = struct.Struct("<8x16I")  # struct tcp_info (linux/tcp.h): 8 bytes, then u32s
+_TCP_INFO_RTO, _TCP_INFO_RTT = 0, 15  # tcpi_rto, tcpi_rtt (microseconds)
+
+
+def _tcp_info(sock: socket.socket | None) -> tuple[float, float]:
+    """(rto, rtt) in seconds as the kernel measures them on ``sock``; (0, 0) where it cannot
+    say (not Linux, not TCP, closed)."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0.0, 0.0
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    except OSError:
+        return 0.0, 0.0
+    if len(raw) < _TCP_INFO.size:
+        return 0.0, 0.0
+    fields = _TCP_INFO.unpack(raw)
+    return fields[_TCP_INFO_RTO] / 1e6, fields[_TCP_INFO_RTT] / 1e6
+
+
+def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
+    return _tcp_info(transport.get_extra_info("socket"))[1]
+
+
 def is_stream_address(address: str) -> bool:
     return address.startswith(SCHEME + "://")
 
@@ -205,6 +228,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self._answer_read()
             return
         self._server.counters["reads"] += 1
+        self._server.counters["bytes_received"] += nbytes  # progress is judged in bytes
         self._got += nbytes
         if self._body is None:
             if self._got == HEADER.size:
@@ -306,6 +330,7 @@ class ChunkStreamServer:
                 "admitted",
                 "refused",
                 "refused_handshake",
+                "bytes_received",
             ),
             0,
         )
@@ -388,6 +413,11 @@ class ChunkStreamServer:
                 if transport is not None and not transport.is_closing() and connection.phase != "parked":
                     transport.resume_reading()
 
+    def path_rtt_s(self) -> float:
+        """The largest round trip the kernel measured on the connections open now (0: none
+        or unknown): what deadlines on this inbox's paths are scaled by."""
+        return max((tcp_rtt_s(c.transport) for c in self._connections if c.transport is not None), default=0.0)
+
     def drop_partial(self) -> int:
         """Close every connection that is in the middle of a chunk (its place goes back
         through ``abandon``); returns how many. For a consumer that saw no progress for a
@@ -413,22 +443,42 @@ class ChunkStreamSender:
     """One outbound chunk stream; ``send`` returns once the kernel holds the whole frame.
 
     Same contract as a ``PushEndpoint`` on the weight path: ``await send(chunk)`` is True on
-    success and raises ``ClosedError``/``TransportError`` when the peer is gone; a caller
-    that cancels a send (timeout) must ``close()`` it, as a half-written frame cannot be
-    resumed.
+    success and raises ``ClosedError``/``TransportError`` when the peer is gone.
+
+    A send is judged by progress, not completion: it fails (``TimeoutError``, and the
+    stream is closed, as a half-written frame cannot be resumed) only when the kernel takes
+    no byte of the frame for ``stall_timeout_s``, or three retransmission timeouts as the
+    kernel measures them if that is longer. A 1 MB chunk on a loss-bound path at 100 KB/s
+    takes 10 s and is no failure; a peer that stopped reading is one. Callers must not
+    wrap ``send`` in a timeout of their own (``echo2.weights.plan.send_chunk``).
     """
 
+    _PIECE_BYTES = 64 << 10  # after the first syscall, bytes handed over per progress check
+
     def __init__(
-        self, address: str, *, connect_timeout_s: float = 5.0, credentials: StreamCredentials | None = None
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        stall_timeout_s: float = 5.0,
+        credentials: StreamCredentials | None = None,
     ) -> None:
         """``credentials``: answer the inbox's challenge with them (``[security]``)."""
         self.credentials = credentials
         self.address = address
         self._host, self._port = parse_address(address)
         self.connect_timeout_s = connect_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
         self.closed = False
+        self.stalls = 0
+        """Sends that failed for want of progress."""
+
+    def stall_deadline_s(self) -> float:
+        """Seconds without a byte taken before a send fails (see the class docstring)."""
+        rto, _ = _tcp_info(self._sock)
+        return max(self.stall_timeout_s, 3 * rto)
 
     async def send(self, chunk: WeightChunk) -> bool:
         if self.closed:
@@ -444,14 +494,24 @@ class ChunkStreamSender:
                 except BlockingIOError:
                     sent = 0
                 if sent < len(header):
-                    await loop.sock_sendall(sock, header[sent:])
+                    await self._send_progressing(loop, sock, memoryview(header)[sent:])
                     sent = len(header)
                 if sent - len(header) < len(data):
-                    await loop.sock_sendall(sock, data[sent - len(header) :])
+                    await self._send_progressing(loop, sock, data[sent - len(header) :])
+            except TimeoutError:
+                self.stalls += 1
+                self.close()
+                raise
             except OSError as exc:
                 self.close()
                 raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
         return True
+
+    async def _send_progressing(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
+        """``sock_sendall`` in pieces, each of which must be taken within the stall deadline."""
+        for start in range(0, len(data), self._PIECE_BYTES):
+            async with asyncio.timeout(self.stall_deadline_s()):  # no task per piece, unlike wait_for
+                await loop.sock_sendall(sock, data[start : start + self._PIECE_BYTES])
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
@@ -502,4 +562,5 @@ __all__ = [
     "is_stream_address",
     "parse_address",
     "stream_mac",
+    "tcp_rtt_s",
 ]
