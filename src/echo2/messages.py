@@ -238,6 +238,9 @@ class SamplerStats(Statistics, frozen=True):
     """Repair bytes received, duplicates included (compare with ``weight_missing_bytes``)."""
     weight_stream_bytes: int = 0
     """Bytes received on chunk streams (the publisher's and predecessors')."""
+    weight_forward_failures: int = 0
+    """Successors skipped for a version: their stream took no byte in the forward timeout,
+    or could not be opened."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""

@@ -223,6 +223,7 @@ class Sampler(Actor):
             weight_repair_bytes_requested=int(received.get("repair_bytes_requested", 0)),
             weight_repair_bytes_received=int(received.get("repair_bytes_received", 0)),
             weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
+            weight_forward_failures=int(received.get("forward_failures", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,

@@ -54,7 +54,7 @@ from echo2.weights.plan import (
 )
 from echo2.weights.seal import seal_version
 from echo2.weights.shm import shm_identity, write_snapshot
-from echo2.weights.stream import StreamCredentials
+from echo2.weights.stream import StreamCredentials, is_stream_address
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ class WeightBroadcaster:
         self._changed = asyncio.Condition()
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
         self._queued_repairs = OutstandingRepairs()  # a request repeated before it is served adds nothing
+        self._stream_secret = b""  # the latest plan's: repair streams prove it too
         self._pushes: dict[str, ChunkSender] = {}
         # Who holds each sampler name on the control channel; a contested name is retried
         # by the subscription lease itself, so the retry hint is unused here.
@@ -462,6 +463,7 @@ class WeightBroadcaster:
             publisher=self.name,
             stream_secret=os.urandom(32) if self.sealed else b"",
         )
+        self._stream_secret = plan.stream_secret
         for name in remote:
             member = self._members[name]
             member.manifest_sent_s = version.published_s
@@ -508,7 +510,9 @@ class WeightBroadcaster:
                 if not await self._push_chunk(seed, addresses[seed], out, plan.stream_secret):
                     dead.add(seed)
 
-    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk, secret: bytes) -> bool:
+    async def _push_chunk(
+        self, member: str, address: str, chunk: WeightChunk, secret: bytes, *, repair: bool = False
+    ) -> bool:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
         if push is None or push.closed:
@@ -524,8 +528,12 @@ class WeightBroadcaster:
             )
             self._pushes[address] = push
         if await send_chunk(push, chunk, self.send_timeout_s):
-            self.counters["chunks_sent"] += 1
-            self.counters["stream_bytes"] += chunk.data.nbytes
+            if repair:
+                self.counters["repair_chunks_sent"] += 1
+                self.counters["repair_bytes_sent"] += chunk.data.nbytes
+            else:
+                self.counters["chunks_sent"] += 1
+                self.counters["stream_bytes"] += chunk.data.nbytes
             return True
         self.counters["send_failures"] += 1
         self._pushes.pop(address, None)
@@ -545,8 +553,21 @@ class WeightBroadcaster:
             self._repairs.put_nowait((peer, msgspec.structs.replace(request, indices=fresh)))
 
     async def _repair_loop(self) -> None:
+        """One repair worker per member: a member behind a slow path is served at its pace
+        while the others are served at theirs."""
+        queues: dict[str, asyncio.Queue[tuple[bytes, ChunkRequest]]] = {}
+        async with asyncio.TaskGroup() as workers:
+            while True:
+                peer, request = await self._repairs.get()
+                queue = queues.get(request.sampler_id)
+                if queue is None:
+                    queue = queues[request.sampler_id] = asyncio.Queue()
+                    workers.create_task(self._repair_worker(queue))
+                queue.put_nowait((peer, request))
+
+    async def _repair_worker(self, queue: asyncio.Queue[tuple[bytes, ChunkRequest]]) -> None:
         while True:
-            peer, request = await self._repairs.get()
+            peer, request = await queue.get()
             try:
                 await self._serve_repair(peer, request)
             finally:
@@ -554,6 +575,9 @@ class WeightBroadcaster:
                     self._queued_repairs.sent(request.sampler_id, request.policy_version, index)
 
     async def _serve_repair(self, peer: bytes, request: ChunkRequest) -> None:
+        """The chunks asked for, on the member's chunk stream when it has one (its
+        progress is visible in bytes there, and a send counts as done only when the kernel
+        took it), else on the control channel."""
         version = self._latest
         if version is None:
             return
@@ -561,6 +585,8 @@ class WeightBroadcaster:
             if request.policy_version < version.key:
                 await self._send(peer, version.manifest)  # move on to the latest
             return
+        member = self._members.get(request.sampler_id)
+        stream = member.address if member is not None and is_stream_address(member.address) else ""
         data = version.snapshot.data
         n = len(version.manifest.chunk_digests)
         size = version.manifest.chunk_bytes
@@ -575,9 +601,14 @@ class WeightBroadcaster:
                 index=index,
                 data=data[index * size : (index + 1) * size],
             )
-            await self._uplink.acquire(chunk.data.nbytes)
-            if not await self._send(peer, chunk):
-                break
-            self.counters["repair_chunks_sent"] += 1
-            self.counters["repair_bytes_sent"] += chunk.data.nbytes
+            if stream:
+                secret = self._stream_secret
+                if not await self._push_chunk(request.sampler_id, stream, chunk, secret, repair=True):
+                    break
+            else:
+                await self._uplink.acquire(chunk.data.nbytes)
+                if not await self._send(peer, chunk):
+                    break
+                self.counters["repair_chunks_sent"] += 1
+                self.counters["repair_bytes_sent"] += chunk.data.nbytes
             self._queued_repairs.sent(request.sampler_id, request.policy_version, index)

@@ -53,18 +53,17 @@ class RateMeter:
         self._clock = clock
         self._samples: deque[tuple[float, int]] = deque()
         self._last_growth_s = clock()
-        self._best_bps = 0.0
+        self._rate_bps = 0.0
 
     def observe(self, total_bytes: int) -> None:
         now = self._clock()
-        if not self._samples or total_bytes > self._samples[-1][1]:
-            self._last_growth_s = now
+        grew = not self._samples or total_bytes > self._samples[-1][1]
         self._samples.append((now, total_bytes))
         while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
             self._samples.popleft()
-        rate = self._window_rate()
-        if rate > 0:
-            self._best_bps = rate
+        if grew:
+            self._last_growth_s = now
+            self._rate_bps = self._window_rate() or self._rate_bps
 
     def progressed(self) -> None:
         """Progress seen some other way (a chunk verified): not idle from now."""
@@ -78,9 +77,9 @@ class RateMeter:
 
     @property
     def rate_bps(self) -> float:
-        """The rate over the window; while nothing moves, the last rate that was measured
-        (a stalled path has not become infinitely slow, and deadlines must stay finite)."""
-        return self._window_rate() or self._best_bps
+        """The rate over the window that ended with the last byte received (0: none yet).
+        A stalled path has not become infinitely slow: deadlines must stay finite."""
+        return self._rate_bps
 
     @property
     def idle_s(self) -> float:
@@ -96,7 +95,7 @@ class RepairTally:
     requested_bytes: int = 0
     """Bytes asked for, re-requests included."""
     received_bytes: int = 0
-    """Repair bytes that arrived, duplicates included."""
+    """Bytes that arrived for chunks once requested, by any path, duplicates included."""
 
 
 class RepairPacer:
@@ -159,11 +158,14 @@ class RepairPacer:
             chosen.append(index)
         return chosen
 
-    def landed(self, index: int, nbytes: int, *, repaired: bool) -> None:
-        """Chunk ``index`` arrived (by repair when ``repaired``, else by a stream)."""
+    def landed(self, index: int, nbytes: int) -> int:
+        """Chunk ``index`` arrived (verified or a duplicate, on any path); returns the bytes
+        counted as repair received (0: never requested)."""
         self._deadlines.pop(index, None)
-        if repaired:
-            self.tally.received_bytes += nbytes
+        if index not in self._ever_requested:
+            return 0
+        self.tally.received_bytes += nbytes
+        return nbytes
 
     def next_deadline_s(self) -> float | None:
         return min(self._deadlines.values(), default=None)

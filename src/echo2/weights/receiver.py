@@ -172,6 +172,7 @@ class WeightReceiver:
         self._meter = RateMeter()  # bytes in on every path: the progress a stall is judged by
         self._bytes_in = 0  # bytes of chunks taken in off the stream (repair, ZeroMQ inbox)
         self._pacer: RepairPacer | None = None  # of the version being assembled, once it repairs
+        self._pacer_key: PolicyVersion | None = None
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
         self._installed_key: PolicyVersion | None = None
@@ -344,7 +345,7 @@ class WeightReceiver:
                 elif isinstance(message, WeightManifest):
                     await self._on_manifest(message)
                 elif isinstance(message, WeightChunk):
-                    self._repair_landed(message)
+                    self._bytes_in += message.data.nbytes  # a repair (no chunk stream here)
                     await self._take(message)
 
     async def _inbound(self, limit: int = 16) -> list[WeightChunk]:
@@ -470,7 +471,6 @@ class WeightReceiver:
             log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
             return
         self._assembler = assembler
-        self._pacer = None
         self._meter.progressed()
         self._apply_plan()
         early = self._early.pop(key, [])
@@ -525,6 +525,8 @@ class WeightReceiver:
                 self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
             else:
                 self.counters["chunks_stale"] += 1
+                if self._pacer is not None and key == self._pacer_key:  # after completion
+                    self._repair_totals.received_bytes += self._pacer.landed(chunk.index, chunk.data.nbytes)
         if not mine or assembler is None:
             return
         loop = asyncio.get_running_loop()
@@ -544,13 +546,13 @@ class WeightReceiver:
             # Forward even if the version completed meanwhile (another chunk verified in
             # parallel finished it): the successor still needs this chunk.
             self._queue_forward(assembler, chunk.index, chunk)
+        if self._pacer is not None and self._pacer_key == assembler.key:
+            for chunk, outcome in zip(chunks, outcomes, strict=True):
+                if outcome in ("stored", "duplicate"):
+                    self._repair_totals.received_bytes += self._pacer.landed(chunk.index, chunk.data.nbytes)
         if assembler is not self._assembler:
             return  # completed by a parallel verification, or superseded
         self._meter.progressed()
-        if self._pacer is not None:
-            for chunk, outcome in zip(chunks, outcomes, strict=True):
-                if outcome == "stored":
-                    self._pacer.landed(chunk.index, chunk.data.nbytes, repaired=False)
         if assembler.complete:
             self._assembler = None
             self._complete_key = assembler.key
@@ -716,27 +718,19 @@ class WeightReceiver:
         assembler = self._assembler
         if assembler is None:
             return
-        if self._pacer is None and self._meter.idle_s >= self.stall_deadline_s():
-            if self._stream is not None:
-                # A stream stuck mid-chunk holds that chunk's place in the buffer, so
-                # its repair could never land; a stalled version frees them all.
-                self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
-            await self._request_missing(assembler)
-        elif self._pacer is not None:
-            await self._request_missing(assembler)  # the next window, and what expired
-
-    def _repair_landed(self, chunk: WeightChunk) -> None:
-        """A repair chunk arrived on the control channel (before verification: bytes moved)."""
-        self._bytes_in += chunk.data.nbytes
-        pacer = self._pacer
-        if pacer is not None and self._assembler is not None and chunk.policy_version == self._assembler.key:
-            pacer.landed(chunk.index, chunk.data.nbytes, repaired=True)
-        self._repair_totals.received_bytes += chunk.data.nbytes
+        stalled = self._meter.idle_s >= self.stall_deadline_s()
+        if stalled and self._stream is not None:
+            # A stream stuck mid-chunk holds that chunk's place in the buffer, so its
+            # repair could never land; a stalled version frees them all.
+            self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
+        if stalled or self._pacer_key == assembler.key:
+            await self._request_missing(assembler)  # once repairing: the next window, what expired
 
     async def _request_missing(self, assembler: SnapshotAssembler) -> None:
         """Request the missing chunks that are due (``RepairPacer``: not outstanding, within
         the member's repair window)."""
-        if self._pacer is None:
+        if self._pacer is None or self._pacer_key != assembler.key:
+            self._pacer_key = assembler.key
             self._pacer = RepairPacer(
                 _chunk_sizes(assembler.manifest),
                 floor_s=self.gap_timeout_s,
