@@ -134,8 +134,9 @@ class RepairPacer:
     def outstanding(self) -> set[int]:
         return set(self._deadlines)
 
-    def due(self, missing: Sequence[int], rate_bps: float, rtt_s: float) -> list[int]:
-        """The chunks of ``missing`` to request now, in order; records them as requested."""
+    def due(self, missing: Sequence[int], rate_bps: float, rtt_s: float, limit: int = 1 << 30) -> list[int]:
+        """The chunks of ``missing`` to request now (at most ``limit``), in order; records
+        them as requested."""
         now = self._clock()
         for index, deadline in list(self._deadlines.items()):
             if now >= deadline:
@@ -144,6 +145,8 @@ class RepairPacer:
         queued = self.outstanding_bytes
         chosen: list[int] = []
         for index in missing:
+            if len(chosen) >= limit:
+                break
             if index in self._deadlines:
                 continue
             size = self._sizes[index]

@@ -141,6 +141,11 @@ def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
     return _tcp_info(transport.get_extra_info("socket"))[1]
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def is_stream_address(address: str) -> bool:
     return address.startswith(SCHEME + "://")
 
@@ -453,8 +458,6 @@ class ChunkStreamSender:
     wrap ``send`` in a timeout of their own (``echo2.weights.plan.send_chunk``).
     """
 
-    _PIECE_BYTES = 64 << 10  # after the first syscall, bytes handed over per progress check
-
     def __init__(
         self,
         address: str,
@@ -508,10 +511,29 @@ class ChunkStreamSender:
         return True
 
     async def _send_progressing(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
-        """``sock_sendall`` in pieces, each of which must be taken within the stall deadline."""
-        for start in range(0, len(data), self._PIECE_BYTES):
-            async with asyncio.timeout(self.stall_deadline_s()):  # no task per piece, unlike wait_for
-                await loop.sock_sendall(sock, data[start : start + self._PIECE_BYTES])
+        """Hand ``data`` to the kernel as it makes room; TimeoutError once it took no byte
+        for the stall deadline, judged again at the deadline (the kernel's retransmission
+        timeout may have backed off meanwhile: a path losing packets, not a dead peer)."""
+        fd = sock.fileno()
+        progress_s = loop.time()
+        while data:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent:
+                data, progress_s = data[sent:], loop.time()
+                continue
+            writable = loop.create_future()
+            loop.add_writer(fd, _resolve, writable)
+            try:
+                async with asyncio.timeout_at(progress_s + self.stall_deadline_s()):
+                    await writable
+            except TimeoutError:
+                if loop.time() >= progress_s + self.stall_deadline_s():
+                    raise
+            finally:
+                loop.remove_writer(fd)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
