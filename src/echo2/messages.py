@@ -234,8 +234,9 @@ class SamplerStats(Statistics, frozen=True):
     is needed for at most these)."""
     weight_repair_bytes_requested: int = 0
     """Repair bytes requested, re-requests included."""
-    weight_repair_bytes_received: int = 0
-    """Repair bytes received, duplicates included (compare with ``weight_missing_bytes``)."""
+    weight_requested_bytes_received: int = 0
+    """Bytes received, on any path and duplicates included, for chunks this sampler had
+    requested (the publisher's ``repair_bytes_sent`` are those of repair alone)."""
     weight_stream_bytes: int = 0
     """Bytes received on chunk streams (the publisher's and predecessors')."""
     weight_forward_failures: int = 0

@@ -221,7 +221,7 @@ class Sampler(Actor):
             weight_shm_versions=int(received.get("shm_versions", 0)),
             weight_missing_bytes=int(received.get("repair_missing_bytes", 0)),
             weight_repair_bytes_requested=int(received.get("repair_bytes_requested", 0)),
-            weight_repair_bytes_received=int(received.get("repair_bytes_received", 0)),
+            weight_requested_bytes_received=int(received.get("requested_bytes_received", 0)),
             weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
             weight_forward_failures=int(received.get("forward_failures", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,

@@ -170,7 +170,7 @@ class WeightReceiver:
         self.relay_address = ""
         self._assembler: SnapshotAssembler | None = None
         self._meter = RateMeter()  # bytes in on every path: the progress a stall is judged by
-        self._bytes_in = 0  # bytes of chunks taken in off the stream (repair, ZeroMQ inbox)
+        self._bytes_in = 0  # bytes of the assembling version taken in off the chunk streams
         self._pacer: RepairPacer | None = None  # of the version being assembled, once it repairs
         self._pacer_key: PolicyVersion | None = None
         self._repair_totals = RepairTally()
@@ -315,7 +315,7 @@ class WeightReceiver:
             **{f"stream_{k}": v for k, v in stream.items()},
             "repair_missing_bytes": totals.missing_bytes,
             "repair_bytes_requested": totals.requested_bytes,
-            "repair_bytes_received": totals.received_bytes,
+            "requested_bytes_received": totals.received_bytes,
             "uplink_bytes": self._uplink.bytes,
             "downlink_bytes": self._downlink.bytes,
         }
@@ -345,7 +345,7 @@ class WeightReceiver:
                 elif isinstance(message, WeightManifest):
                     await self._on_manifest(message)
                 elif isinstance(message, WeightChunk):
-                    self._bytes_in += message.data.nbytes  # a repair (no chunk stream here)
+                    self._count_progress([message])  # a repair (no chunk stream here)
                     await self._take(message)
 
     async def _inbound(self, limit: int = 16) -> list[WeightChunk]:
@@ -358,7 +358,7 @@ class WeightReceiver:
             return chunks
         assert self._inbox is not None
         chunks = [m for m in await self._inbox.recv_many(limit) if isinstance(m, WeightChunk)]
-        self._bytes_in += sum(c.data.nbytes for c in chunks)
+        self._count_progress(chunks)
         return chunks
 
     async def _relay_loop(self) -> None:
@@ -694,9 +694,15 @@ class WeightReceiver:
             )
             await asyncio.sleep(self.announce_s)
 
+    def _count_progress(self, chunks: list[WeightChunk]) -> None:
+        key = self.assembling
+        self._bytes_in += sum(c.data.nbytes for c in chunks if c.policy_version == key)
+
     def _bytes_received(self) -> int:
-        """Bytes of weight chunks received on every path (streams, repair, ZeroMQ inbox)."""
-        stream = self._stream.counters["bytes_received"] if self._stream is not None else 0
+        """Bytes received for the version being assembled, on every path (chunk streams,
+        repair, ZeroMQ inbox). Chunks of older versions still draining from a slow
+        predecessor are no progress: they must not hold off the repair of this one."""
+        stream = self._stream.counters["bytes_in_place"] if self._stream is not None else 0
         return stream + self._bytes_in
 
     def _rtt_s(self) -> float:

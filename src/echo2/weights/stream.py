@@ -176,6 +176,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._header_view = memoryview(self._header)
         self._body: memoryview | None = None
         self._chunk: WeightChunk | None = None
+        self._in_place = False  # the body being read lands in its destination
         self._got = 0
         self.transport: asyncio.Transport | None = None
 
@@ -233,7 +234,9 @@ class _Connection(asyncio.BufferedProtocol):
                 self._answer_read()
             return
         self._server.counters["reads"] += 1
-        self._server.counters["bytes_received"] += nbytes  # progress is judged in bytes
+        self._server.counters["bytes_received"] += nbytes
+        if self._in_place:
+            self._server.counters["bytes_in_place"] += nbytes  # progress is judged in these
         self._got += nbytes
         if self._body is None:
             if self._got == HEADER.size:
@@ -276,6 +279,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._got = 0
             return
         target = server._destination(PolicyVersion(incarnation, version), index, nbytes)
+        self._in_place = target is not None
         if target is None:
             target = np.empty(nbytes, dtype=np.uint8)
             server.counters["chunks_copied"] += 1
@@ -336,6 +340,7 @@ class ChunkStreamServer:
                 "refused",
                 "refused_handshake",
                 "bytes_received",
+                "bytes_in_place",
             ),
             0,
         )
