@@ -9,7 +9,7 @@ then queue behind each other on the same slow path. Here instead:
   it arrived for ``stall_deadline_s`` = max(floor, K x RTT);
 * each repaired chunk gets its own deadline (``transfer_deadline_s``): max(floor, K x bytes
   queued up to and including it / measured rate, K x RTT), and it is not requested again
-  before that deadline passes;
+  before that deadline passes, nor while bytes of the version keep arriving;
 * at most ``max_outstanding_bytes`` of repair are outstanding per member (``RepairPacer``),
   so a stall never turns into a request for the whole version at once.
 
@@ -134,12 +134,23 @@ class RepairPacer:
     def outstanding(self) -> set[int]:
         return set(self._deadlines)
 
-    def due(self, missing: Sequence[int], rate_bps: float, rtt_s: float, limit: int = 1 << 30) -> list[int]:
+    def due(
+        self,
+        missing: Sequence[int],
+        rate_bps: float,
+        rtt_s: float,
+        *,
+        progressing: bool = False,
+        limit: int = 1 << 30,
+    ) -> list[int]:
         """The chunks of ``missing`` to request now (at most ``limit``), in order; records
-        them as requested."""
+        them as requested. ``progressing``: bytes of the version are still arriving, so a
+        request past its deadline is late, not lost (before the rate is measured its
+        deadline is only the floor, and a 1 MB chunk at 100 KB/s takes 10 s): it expires
+        once the version is quiet."""
         now = self._clock()
         for index, deadline in list(self._deadlines.items()):
-            if now >= deadline:
+            if now >= deadline and not progressing:
                 del self._deadlines[index]
                 self.expired += 1
         queued = self.outstanding_bytes

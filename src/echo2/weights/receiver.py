@@ -744,7 +744,13 @@ class WeightReceiver:
             )
         pacer = self._pacer
         before = dataclasses.replace(pacer.tally)
-        due = pacer.due(assembler.missing(), self._meter.rate_bps, self._rtt_s(), limit=MAX_REPAIR_INDICES)
+        due = pacer.due(
+            assembler.missing(),
+            self._meter.rate_bps,
+            self._rtt_s(),
+            progressing=self._meter.idle_s < self.stall_deadline_s(),
+            limit=MAX_REPAIR_INDICES,
+        )
         if not due:
             return
         self._repair_totals.missing_bytes += pacer.tally.missing_bytes - before.missing_bytes
