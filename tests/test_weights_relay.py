@@ -457,3 +457,72 @@ def test_t_bcast_is_recorded_for_superseded_versions_and_for_those_that_never_re
     finally:
         router.close()
         transport.close()
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["this-version", "older-version"])
+async def test_a_chunk_trickling_in_slower_than_the_gap_timeout_is_not_repaired(stale: bool) -> None:
+    """Progress is counted in bytes of the version being assembled: a stream that delivers
+    a chunk over several gap timeouts (a loss-bound path) is neither dropped nor raced by a
+    repair, and the version completes from it. Bytes of an older version (a slow
+    predecessor still draining) are no progress: the missing chunk is repaired meanwhile."""
+    import socket
+
+    from echo2.weights.stream import HEADER, MAGIC, parse_address
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        return None if chunk.index == 0 else chunk  # chunk 0 comes only by the slow stream
+
+    gap_s = 0.3
+    async with harness(mode="relay", fault=fault, medium="tcp") as h:
+        receiver = h.add("a", gap_timeout_s=gap_s)
+        await h.broadcaster.wait_members(1)
+        host, port = parse_address(receiver.relay_address)
+        slow = socket.create_connection((host, port))
+        try:
+            snap = snapshot(1)
+            h.broadcaster.publish_nowait(snap, make_manifest(snap, CHUNK))
+            async with asyncio.timeout(5):
+                while receiver.assembling != (1, 1):  # the manifest is in: places exist
+                    await asyncio.sleep(0.005)
+            body = memoryview(snap.data[:CHUNK].tobytes())
+            slow.sendall(HEADER.pack(MAGIC, 1, 1, 0 if stale else 1, 0, CHUNK))
+            pieces = 16
+            try:
+                for at in range(0, CHUNK, CHUNK // pieces):  # ~4 gap timeouts for the whole chunk
+                    slow.sendall(body[at : at + CHUNK // pieces])
+                    await asyncio.sleep(4 * gap_s / pieces)  # the slow path, not a synchronisation
+            except (BrokenPipeError, ConnectionResetError):
+                assert stale  # a stalled version drops streams stuck mid-chunk: only this one
+            await h.wait_complete(["a"], 1, timeout_s=10)
+        finally:
+            slow.close()
+        assert equal_to(h.complete["a"][-1], snap)
+        stats = receiver.statistics()
+        if stale:
+            assert stats["repair_requests"] >= 1 and stats["repair_missing_bytes"] == CHUNK
+        else:
+            assert receiver.counters["stalled_streams_dropped"] == 0
+            assert stats["repair_requests"] == 0 and stats["repair_missing_bytes"] == 0
+
+
+async def test_repair_bytes_stay_within_the_bytes_missing() -> None:
+    """Every chunk the publisher's stream drops is repaired about once (the issue 13 floor:
+    repair bytes received <= 1.2x the bytes missing when requested)."""
+    rng = random.Random(3)
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        return None if rng.random() < 0.25 else chunk
+
+    async with harness(mode="star", fault=fault, medium="tcp") as h:
+        receiver = h.add("a", gap_timeout_s=0.2)
+        await h.broadcaster.wait_members(1)
+        snap = snapshot(1)
+        h.broadcaster.publish_nowait(snap)
+        await h.wait_complete(["a"], 1)
+        assert equal_to(h.complete["a"][-1], snap)
+        stats = receiver.statistics()
+        assert stats["repair_missing_bytes"] > 0
+        missing = stats["repair_missing_bytes"]
+        assert missing <= stats["requested_bytes_received"] <= 1.2 * missing
+        assert h.broadcaster.counters["repair_bytes_sent"] <= 1.2 * missing
+        assert stats["repair_bytes_requested"] >= stats["repair_missing_bytes"]

@@ -20,7 +20,8 @@ emulator is validated per link shape (UDP RTT and loss, TCP goodput under the ca
 condition it reports: learner idle fraction and what the capacity model predicts for the
 measured T_bcast; versions installed per sampler against those published; each edge's
 weight goodput (version bytes over publication-to-install time, median) and link bytes;
-relay drops; repair counters; every launcher's exit code and seconds after the learner's
+relay drops; repair counters (the publisher's repair bytes against the bytes missing when
+first requested, summed over samplers); every launcher's exit code and seconds after the learner's
 exit (None: had not exited ``exit_grace_s`` later, then SIGTERM); the outage's recovery;
 the audit. Results go to ``benchmarks/results/wan-<date>.json``.
 """
@@ -42,7 +43,6 @@ from benchmarks.wan.netbed import REPO_ROOT, Bed, LinkShape, available
 from benchmarks.wan.probe import validate
 from echo2.capacity.model import predicted_bubble_ratio
 from echo2.rundir import RunDir
-from echo2.weights.chunks import DEFAULT_CHUNK_BYTES
 
 TOPOLOGY = REPO_ROOT / "examples" / "multihost.toml"
 LEARNER_HOST = "learner"
@@ -140,6 +140,10 @@ def analyse(result: JobResult) -> dict[str, Any]:
             mu_pool=mu_pool,
         )
     publisher = result.stats.get("weight_publisher", {})
+    samplers = [st for st in result.stats.values() if st.get("type") == "SamplerStats"]
+    missing = sum(int(st.get("weight_missing_bytes", 0)) for st in samplers)
+    repaired = int(publisher.get("repair_bytes_sent", 0))
+    requested_received = sum(int(st.get("weight_requested_bytes_received", 0)) for st in samplers)
     return {
         "steps": steps,
         "stopped_by": s.get("stopped_by"),
@@ -158,9 +162,13 @@ def analyse(result: JobResult) -> dict[str, Any]:
         },
         "relay_drops": {h: {k: v for k, v in c.items() if k.endswith("drops") and v} for h, c in result.relay.items()},
         "weight_path": {a: _weight_counters(st) for a, st in sorted(result.stats.items())},
-        # Bytes actually missing at the receivers are not counted anywhere (issue 13); the
-        # repair side is: chunks re-sent times the chunk size.
-        "repair_mbytes_sent": round(int(publisher.get("repair_chunks_sent", 0)) * DEFAULT_CHUNK_BYTES / 1e6, 1),
+        "repair_mbytes_sent": round(int(publisher.get("repair_bytes_sent", 0)) / 1e6, 2),
+        # The floor (issue 13): repair bytes <= 1.2x the bytes missing when first requested.
+        "missing_mbytes": round(missing / 1e6, 2),
+        "repair_over_missing": round(repaired / missing, 3) if missing else None,
+        # Bytes that reached the samplers, by any path, for chunks they had requested: above
+        # the repair bytes when a predecessor's stream delivered a requested chunk too.
+        "requested_mbytes_received": round(requested_received / 1e6, 2),
         "exit_codes": result.exit_codes,
         "exit_after_learner_s": result.exit_after_learner_s,
         "outage": _recovery(result),
@@ -175,6 +183,9 @@ def analyse(result: JobResult) -> dict[str, Any]:
 _COUNTERS = (
     "installs", "weight_repair_requests", "weight_chunks_forwarded", "published", "superseded",
     "repair_requests", "repair_chunks_sent", "send_failures", "members_expired", "stream_bytes",
+    "weight_missing_bytes", "weight_repair_bytes_requested", "weight_requested_bytes_received", "weight_stream_bytes",
+    "weight_forward_failures",
+    "repair_bytes_sent", "repair_duplicates_dropped",
 )  # fmt: skip
 
 
@@ -240,7 +251,7 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"{'condition':<12} {'steps':>5} {'idle':>6} {'pred':>6} {'T_bcast':>7} {'pub':>4} "
-        f"{'installed a/b/c':>16} {'back after s':>12} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5}"
+        f"{'installed a/b/c':>16} {'back after s':>12} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5} {'repair/missing MB':>17}"
     ]
     for name, r in rows.items():
         samplers = r["samplers"]
@@ -253,7 +264,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         back = r["outage"]["first_trained_after_up_s"] if r["outage"] else None
         lines.append(
             f"{name:<12} {r['steps']:>5} {_fmt(r['learner_idle_fraction']):>6} {_fmt(r['predicted_idle_fraction']):>6} "
-            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {_fmt(back):>12} {good:>22} {exits:>24} {r['audit_exit']:>5}"
+            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {_fmt(back):>12} {good:>22} {exits:>24} {r['audit_exit']:>5} "
+            f"{_fmt(r['repair_mbytes_sent']) + '/' + _fmt(r['missing_mbytes']):>17}"
         )
     return "\n".join(lines)
 

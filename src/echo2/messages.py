@@ -229,6 +229,19 @@ class SamplerStats(Statistics, frozen=True):
     weight_repair_requests: int = 0
     weight_chunks_forwarded: int = 0
     weight_shm_versions: int = 0
+    weight_missing_bytes: int = 0
+    """Bytes of the distinct chunks missing when this sampler first requested them (repair
+    is needed for at most these)."""
+    weight_repair_bytes_requested: int = 0
+    """Repair bytes requested, re-requests included."""
+    weight_requested_bytes_received: int = 0
+    """Bytes received, on any path and duplicates included, for chunks this sampler had
+    requested (the publisher's ``repair_bytes_sent`` are those of repair alone)."""
+    weight_stream_bytes: int = 0
+    """Bytes received on chunk streams (the publisher's and predecessors')."""
+    weight_forward_failures: int = 0
+    """Successors skipped for a version: their stream took no byte in the forward timeout,
+    or could not be opened."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""
@@ -313,6 +326,9 @@ class PublisherStats(Statistics, frozen=True):
     send_failures: int = 0
     repair_requests: int = 0
     repair_chunks_sent: int = 0
+    repair_bytes_sent: int = 0
+    repair_duplicates_dropped: int = 0
+    """Chunk indices asked for again while still queued for that member (not re-sent)."""
     late_joiner_manifests: int = 0
     unroutable: int = 0
     members_expired: int = 0

@@ -102,7 +102,15 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Relay inbox over tcp: "stream" (chunks land in place in the assembly buffer,
     ``echo2.weights.stream``) or "zmq" (a ZeroMQ PULL)."""
     gap_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
-    """Seconds a version may make no progress before its missing chunks are repaired."""
+    """Seconds a version may receive no byte before its missing chunks are repaired (the
+    floor: at least 3 round trips of the path, ``echo2.weights.pacing``)."""
+    weights_forward_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds the next member's chunk stream may take no byte before it is skipped for the
+    version (at least 3 of the kernel's retransmission timeouts)."""
+    weights_connect_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds to open a chunk stream to the next member."""
+    weights_repair_window_bytes: Annotated[int, Meta(gt=0)] = 4 << 20
+    """Repair bytes this sampler may have requested and not yet received."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
 
@@ -151,6 +159,9 @@ class Sampler(Actor):
             link=LinkSpec(self.config.uplink_mbps, self.config.downlink_mbps, self.config.latency_ms),
             relay_host=self.config.relay_host,
             gap_timeout_s=self.config.gap_timeout_s,
+            send_timeout_s=self.config.weights_forward_timeout_s,
+            connect_timeout_s=self.config.weights_connect_timeout_s,
+            max_repair_bytes=self.config.weights_repair_window_bytes,
             data_plane=self.config.weights_data_plane,
             shm_dir=self.config.shm_dir or None,
             on_complete=self._on_complete,
@@ -227,6 +238,11 @@ class Sampler(Actor):
             weight_repair_requests=int(received.get("repair_requests", 0)),
             weight_chunks_forwarded=int(received.get("chunks_forwarded", 0)),
             weight_shm_versions=int(received.get("shm_versions", 0)),
+            weight_missing_bytes=int(received.get("repair_missing_bytes", 0)),
+            weight_repair_bytes_requested=int(received.get("repair_bytes_requested", 0)),
+            weight_requested_bytes_received=int(received.get("requested_bytes_received", 0)),
+            weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
+            weight_forward_failures=int(received.get("forward_failures", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,

@@ -21,8 +21,9 @@ Input: ``snapshots`` (PULL, bound; the Learner connects, inproc when co-located)
 Control: ``weights`` (ROUTER, bound; samplers connect a DEALER).
 Data: one PUSH per seed, connected to the seed's relay inbox (announced address).
 
-Backpressure: PUSH and ROUTER block at the high-water mark, never drop; a send that cannot
-finish in ``send_timeout_s`` skips that seed for the version (its chain repairs). Only the
+Backpressure: PUSH and ROUTER block at the high-water mark, never drop; a seed whose chunk
+stream takes no byte for ``send_timeout_s`` (a ZeroMQ PUSH: that cannot finish in it) is
+skipped for the version (its chain repairs). Only the
 newest snapshot matters: a newer one stops the stream of the older (counted).
 
 Under ``[security]`` every version is sealed before its manifest is made (AES-256-CTR
@@ -60,7 +61,10 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     member_ttl_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds after which a sampler not heard from (``WeightSubscribe``) leaves the plan."""
     send_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
-    """Seconds after which a chunk send that cannot complete marks the peer dead for the version."""
+    """Seconds a seed's chunk stream may take no byte (a ZeroMQ PUSH: a send may take) before
+    the seed is skipped for the version."""
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    """Seconds to open a chunk stream to a seed."""
     gamma: Annotated[float, Meta(ge=1)] = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
     shm_dir: str = ""
@@ -99,6 +103,7 @@ class WeightPublisher(Actor):
             link=LinkSpec(uplink_mbps=self.config.uplink_mbps),
             member_ttl_s=self.config.member_ttl_s,
             send_timeout_s=self.config.send_timeout_s,
+            connect_timeout_s=self.config.connect_timeout_s,
             gamma=self.config.gamma,
             on_bcast=self._on_bcast,
             shm_dir=self.config.shm_dir or None,
@@ -124,6 +129,8 @@ class WeightPublisher(Actor):
             send_failures=int(b["send_failures"]),
             repair_requests=int(b["repair_requests"]),
             repair_chunks_sent=int(b["repair_chunks_sent"]),
+            repair_bytes_sent=int(b["repair_bytes_sent"]),
+            repair_duplicates_dropped=int(b["repair_duplicates_dropped"]),
             late_joiner_manifests=int(b["late_joiner_manifests"]),
             unroutable=int(b["unroutable"]),
             members_expired=int(b["members_expired"]),

@@ -3,7 +3,7 @@
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
 (relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
 ``stream`` (chunk streams: bytes straight into place; under ``[security]`` inboxes admit
-only the plan's senders), ``seal`` (under ``[security]``: versions encrypted once at the
+only the plan's senders), ``pacing`` (deadlines from measured rate and RTT, repair pacing), ``seal`` (under ``[security]``: versions encrypted once at the
 publisher, opened once per member), ``shm`` (shared memory on one host), ``signing``
 (Ed25519 manifests), ``link`` (link emulation: caps and latency).
 
@@ -25,14 +25,21 @@ Two components on top of the pure chunk layer (``echo2.weights.chunks``):
   allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
   worker thread: hashing releases the GIL), forwards every verified chunk of the stripes
   it relays to its successor the moment it lands (a PUSH per successor), and hands a
-  complete, verified version to ``on_complete``. Gap detection: when a version makes no
-  progress for ``gap_timeout_s`` the missing chunks are requested from the publisher
-  (dropped, corrupt, or a dead predecessor in the chain: all end the same way). Repaired
-  chunks are forwarded too, so a chain heals behind a dead relay.
+  complete, verified version to ``on_complete``. Gap detection, in bytes: when no byte of
+  the version arrives on any path for max(``gap_timeout_s``, K x RTT) the missing chunks
+  are requested from the publisher (dropped, corrupt, or a dead predecessor in the chain:
+  all end the same way), paced (``echo2.weights.pacing``): at most a window of repair bytes
+  outstanding, each chunk asked for again only after its own deadline (K x the bytes queued
+  ahead of it / the measured rate). The publisher serves each member's repairs on that
+  member's chunk stream when it has one (else on the control channel), one worker per
+  member, and drops indices still queued for that member. Repaired chunks are forwarded
+  too, so a chain heals behind a dead relay.
 
 Nothing is lost silently: PUSH and ROUTER sends block at the high-water mark instead of
-dropping, a send that cannot complete within ``send_timeout_s`` (dead peer) is counted and
-that peer skipped for the version, and every gap ends in a repair.
+dropping, a chunk stream that takes no byte for ``send_timeout_s`` (a ZeroMQ send that
+cannot complete in it: a dead peer) is counted and that peer skipped for the version, and
+every gap ends in a repair. A slow path is not a dead one: a chunk may take longer than
+any timeout as long as its bytes keep moving.
 
 Shared memory (optional, ``shm_dir`` on both sides): members on the publisher's host map
 each version from a file the publisher writes once (``echo2.weights.shm``) and verify it

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     NO_VERSION,
     ChunkRequest,
@@ -41,6 +41,7 @@ from echo2.weights.chunks import (
     prefaulted_buffer,
 )
 from echo2.weights.link import LinkSpec
+from echo2.weights.pacing import OutstandingRepairs
 from echo2.weights.plan import (
     GAMMA,
     MODES,
@@ -49,10 +50,11 @@ from echo2.weights.plan import (
     bcast_threshold,
     chunk_sender,
     relay_plan,
+    send_chunk,
 )
 from echo2.weights.seal import seal_version
 from echo2.weights.shm import shm_identity, write_snapshot
-from echo2.weights.stream import StreamCredentials
+from echo2.weights.stream import StreamCredentials, is_stream_address
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,7 @@ class WeightBroadcaster:
         link: LinkSpec = NO_LINK,
         member_ttl_s: float = 5.0,
         send_timeout_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
         gamma: float = GAMMA,
         fault: Fault | None = None,
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
@@ -151,6 +154,7 @@ class WeightBroadcaster:
         self.link = link
         self.member_ttl_s = member_ttl_s
         self.send_timeout_s = send_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.gamma = gamma
         self._transport = transport
         self._control = control
@@ -163,6 +167,8 @@ class WeightBroadcaster:
         self._new = asyncio.Event()
         self._changed = asyncio.Condition()
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
+        self._queued_repairs = OutstandingRepairs()  # a request repeated before it is served adds nothing
+        self._stream_secret = b""  # the latest plan's: repair streams prove it too
         self._pushes: dict[str, ChunkSender] = {}
         # Who holds each sampler name on the control channel; a contested name is retried
         # by the subscription lease itself, so the retry hint is unused here.
@@ -183,6 +189,8 @@ class WeightBroadcaster:
                 "send_failures",
                 "repair_requests",
                 "repair_chunks_sent",
+                "repair_duplicates_dropped",
+                "repair_bytes_sent",
                 "late_joiner_manifests",
                 "unroutable",
                 "members_expired",
@@ -286,8 +294,7 @@ class WeightBroadcaster:
                         kind = type(message).__name__
                         self.unbound_dropped[kind] = self.unbound_dropped.get(kind, 0) + 1
                     elif isinstance(message, ChunkRequest):
-                        self.counters["repair_requests"] += 1
-                        self._repairs.put_nowait((peer, message))
+                        self._on_repair_request(peer, message)
                     else:
                         self._on_installed(message)
             await self._notify()
@@ -456,6 +463,7 @@ class WeightBroadcaster:
             publisher=self.name,
             stream_secret=os.urandom(32) if self.sealed else b"",
         )
+        self._stream_secret = plan.stream_secret
         for name in remote:
             member = self._members[name]
             member.manifest_sent_s = version.published_s
@@ -502,23 +510,30 @@ class WeightBroadcaster:
                 if not await self._push_chunk(seed, addresses[seed], out, plan.stream_secret):
                     dead.add(seed)
 
-    async def _push_chunk(self, member: str, address: str, chunk: WeightChunk, secret: bytes) -> bool:
+    async def _push_chunk(
+        self, member: str, address: str, chunk: WeightChunk, secret: bytes, *, repair: bool = False
+    ) -> bool:
         await self._uplink.acquire(chunk.data.nbytes)
         push = self._pushes.get(address)
         if push is None or push.closed:
             credentials = StreamCredentials(self.name, member, secret) if secret else None
             push = chunk_sender(
-                self._transport, f"{self.name}.seed", address, self.chunk_bytes, credentials=credentials
+                self._transport,
+                f"{self.name}.seed",
+                address,
+                self.chunk_bytes,
+                credentials=credentials,
+                connect_timeout_s=self.connect_timeout_s,
+                stall_timeout_s=self.send_timeout_s,
             )
             self._pushes[address] = push
-        try:
-            async with asyncio.timeout(self.send_timeout_s):  # no task per chunk, unlike wait_for
-                sent = await push.send(chunk)
-        except (TimeoutError, ClosedError, TransportError):
-            sent = False
-        if sent:
-            self.counters["chunks_sent"] += 1
-            self.counters["stream_bytes"] += chunk.data.nbytes
+        if await send_chunk(push, chunk, self.send_timeout_s):
+            if repair:
+                self.counters["repair_chunks_sent"] += 1
+                self.counters["repair_bytes_sent"] += chunk.data.nbytes
+            else:
+                self.counters["chunks_sent"] += 1
+                self.counters["stream_bytes"] += chunk.data.nbytes
             return True
         self.counters["send_failures"] += 1
         self._pushes.pop(address, None)
@@ -527,31 +542,73 @@ class WeightBroadcaster:
 
     # -- repair ----------------------------------------------------------------------
 
+    def _on_repair_request(self, peer: bytes, request: ChunkRequest) -> None:
+        """Queue what the request asks for that is not queued for that member already: a
+        receiver whose deadline passed while its chunks waited here asks again, and those
+        chunks must go once."""
+        self.counters["repair_requests"] += 1
+        fresh = self._queued_repairs.admit(request.sampler_id, request.policy_version, request.indices)
+        self.counters["repair_duplicates_dropped"] += len(request.indices) - len(fresh)
+        if fresh or not request.indices:
+            self._repairs.put_nowait((peer, msgspec.structs.replace(request, indices=fresh)))
+
     async def _repair_loop(self) -> None:
+        """One repair worker per member: a member behind a slow path is served at its pace
+        while the others are served at theirs."""
+        queues: dict[str, asyncio.Queue[tuple[bytes, ChunkRequest]]] = {}
+        async with asyncio.TaskGroup() as workers:
+            while True:
+                peer, request = await self._repairs.get()
+                queue = queues.get(request.sampler_id)
+                if queue is None:
+                    queue = queues[request.sampler_id] = asyncio.Queue()
+                    workers.create_task(self._repair_worker(queue))
+                queue.put_nowait((peer, request))
+
+    async def _repair_worker(self, queue: asyncio.Queue[tuple[bytes, ChunkRequest]]) -> None:
         while True:
-            peer, request = await self._repairs.get()
-            version = self._latest
-            if version is None:
+            peer, request = await queue.get()
+            try:
+                await self._serve_repair(peer, request)
+            finally:
+                for index in request.indices:  # served or given up on: may be asked for again
+                    self._queued_repairs.sent(request.sampler_id, request.policy_version, index)
+
+    async def _serve_repair(self, peer: bytes, request: ChunkRequest) -> None:
+        """The chunks asked for, on the member's chunk stream when it has one (its
+        progress is visible in bytes there, and a send counts as done only when the kernel
+        took it), else on the control channel."""
+        version = self._latest
+        if version is None:
+            return
+        if request.policy_version != version.key:
+            if request.policy_version < version.key:
+                await self._send(peer, version.manifest)  # move on to the latest
+            return
+        member = self._members.get(request.sampler_id)
+        stream = member.address if member is not None and is_stream_address(member.address) else ""
+        data = version.snapshot.data
+        n = len(version.manifest.chunk_digests)
+        size = version.manifest.chunk_bytes
+        for index in request.indices:
+            if not 0 <= index < n:
                 continue
-            if request.policy_version != version.key:
-                if request.policy_version < version.key:
-                    await self._send(peer, version.manifest)  # move on to the latest
-                continue
-            data = version.snapshot.data
-            n = len(version.manifest.chunk_digests)
-            size = version.manifest.chunk_bytes
-            for index in request.indices:
-                if not 0 <= index < n:
-                    continue
-                if self._latest is not version:
+            if self._latest is not version:
+                break
+            chunk = WeightChunk(
+                incarnation=version.key.incarnation,
+                version=version.key.version,
+                index=index,
+                data=data[index * size : (index + 1) * size],
+            )
+            if stream:
+                secret = self._stream_secret
+                if not await self._push_chunk(request.sampler_id, stream, chunk, secret, repair=True):
                     break
-                chunk = WeightChunk(
-                    incarnation=version.key.incarnation,
-                    version=version.key.version,
-                    index=index,
-                    data=data[index * size : (index + 1) * size],
-                )
+            else:
                 await self._uplink.acquire(chunk.data.nbytes)
                 if not await self._send(peer, chunk):
                     break
                 self.counters["repair_chunks_sent"] += 1
+                self.counters["repair_bytes_sent"] += chunk.data.nbytes
+            self._queued_repairs.sent(request.sampler_id, request.policy_version, index)

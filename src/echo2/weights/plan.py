@@ -8,6 +8,7 @@ address's scheme (chunk stream or ZeroMQ PUSH).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import math
@@ -16,8 +17,10 @@ import socket
 from collections.abc import Sequence
 from typing import Literal, get_args
 
+from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     RelayChain,
+    WeightChunk,
 )
 from echo2.transport.context import Transport
 from echo2.transport.endpoint import (
@@ -63,16 +66,39 @@ def chunk_sender(
     chunk_bytes: int,
     *,
     credentials: StreamCredentials | None = None,
+    connect_timeout_s: float = 5.0,
+    stall_timeout_s: float = 5.0,
 ) -> ChunkSender:
     """A sender to the relay inbox at ``address``, by its scheme (chunk stream or ZeroMQ);
-    a chunk stream answers the inbox's challenge with ``credentials`` (``[security]``)."""
+    a chunk stream answers the inbox's challenge with ``credentials`` (``[security]``),
+    gives up connecting after ``connect_timeout_s`` and fails a send that makes no
+    progress for ``stall_timeout_s``."""
     if is_stream_address(address):
-        return ChunkStreamSender(address, credentials=credentials)
+        return ChunkStreamSender(
+            address, credentials=credentials, connect_timeout_s=connect_timeout_s, stall_timeout_s=stall_timeout_s
+        )
     return transport.push(
         name=f"{name}->{address}",
         connect=[address],
         options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=max_message_bytes(chunk_bytes)),
     )
+
+
+async def send_chunk(sender: ChunkSender, chunk: WeightChunk, timeout_s: float) -> bool:
+    """Send one chunk down the weight path; False when the peer is gone or stuck (the
+    caller then closes ``sender`` and skips that peer for the version).
+
+    A chunk stream is judged by progress (no byte taken for its stall timeout: see
+    ``ChunkStreamSender``), since on a slow lossy path one chunk may take longer than any
+    fixed bound; a ZeroMQ PUSH, which shows no progress, must finish in ``timeout_s``.
+    """
+    try:
+        if isinstance(sender, ChunkStreamSender):
+            return await sender.send(chunk)
+        async with asyncio.timeout(timeout_s):  # no task per chunk, unlike wait_for
+            return await sender.send(chunk)
+    except (TimeoutError, ClosedError, TransportError):
+        return False
 
 
 # -- plans -------------------------------------------------------------------------------

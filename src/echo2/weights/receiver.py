@@ -41,6 +41,13 @@ from echo2.weights.chunks import (
     prefaulted_buffer,
 )
 from echo2.weights.link import DelayLine, LinkSpec
+from echo2.weights.pacing import (
+    DEFAULT_MAX_OUTSTANDING_BYTES,
+    RateMeter,
+    RepairPacer,
+    RepairTally,
+    transfer_deadline_s,
+)
 from echo2.weights.plan import (
     DATA_PLANES,
     MAX_REPAIR_INDICES,
@@ -51,6 +58,7 @@ from echo2.weights.plan import (
     chunk_sender,
     max_message_bytes,
     relay_bind_url,
+    send_chunk,
 )
 from echo2.weights.seal import opener_for
 from echo2.weights.shm import map_snapshot, shm_identity
@@ -80,10 +88,9 @@ def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[
     return [assembler.offer(chunk) for chunk in chunks]
 
 
-@dataclasses.dataclass
-class _Progress:
-    last_s: float
-    requested_s: float = 0.0
+def _chunk_sizes(manifest: WeightManifest) -> list[int]:
+    size, total = manifest.chunk_bytes, manifest.total_bytes
+    return [min(size, total - i * size) for i in range(len(manifest.chunk_digests))]
 
 
 class WeightReceiver:
@@ -104,6 +111,8 @@ class WeightReceiver:
         gap_timeout_s: float = 2.0,
         announce_s: float = 1.0,
         send_timeout_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        max_repair_bytes: int = DEFAULT_MAX_OUTSTANDING_BYTES,
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES,
         on_complete: Callable[[SnapshotAssembler], None] | None = None,
         verify_manifest: Callable[[WeightManifest], None] | None = None,
@@ -117,7 +126,13 @@ class WeightReceiver:
         """``sealed`` (``[security]``): the relay inbox admits only senders that prove the
         plan's stream secret and are the publisher or this member's predecessor
         (``echo2.weights.stream``). Sealed versions (``echo2.weights.seal``) are opened
-        whenever their manifest carries a key, sealed or not."""
+        whenever their manifest carries a key, sealed or not.
+
+        Timeouts (``echo2.weights.pacing``): a version is stalled when no byte of it
+        arrived for max(``gap_timeout_s``, K x RTT); a forward fails when the successor's
+        stream takes no byte for ``send_timeout_s`` (or 3 retransmission timeouts) and a
+        connection that is not up in ``connect_timeout_s``; at most ``max_repair_bytes`` of
+        repair are outstanding, each chunk until its own deadline."""
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
         if sealed and data_plane != "stream":
@@ -139,6 +154,8 @@ class WeightReceiver:
         self.gap_timeout_s = gap_timeout_s
         self.announce_s = announce_s
         self.send_timeout_s = send_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_repair_bytes = max_repair_bytes
         self._on_complete = on_complete
         self._max_early = max_early_chunks
         self._uplink = link.uplink(chunk_bytes_hint)
@@ -152,7 +169,11 @@ class WeightReceiver:
         self._landed: asyncio.Queue[WeightChunk] = asyncio.Queue()
         self.relay_address = ""
         self._assembler: SnapshotAssembler | None = None
-        self._progress = _Progress(time.monotonic())
+        self._meter = RateMeter()  # bytes in on every path: the progress a stall is judged by
+        self._bytes_in = 0  # bytes of the assembling version taken in off the chunk streams
+        self._pacer: RepairPacer | None = None  # of the version being assembled, once it repairs
+        self._pacer_key: PolicyVersion | None = None
+        self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
@@ -288,9 +309,13 @@ class WeightReceiver:
 
     def statistics(self) -> dict[str, float]:
         stream = self._stream.counters if self._stream is not None else {}
+        totals = self._repair_totals
         return {
             **self.counters,
             **{f"stream_{k}": v for k, v in stream.items()},
+            "repair_missing_bytes": totals.missing_bytes,
+            "repair_bytes_requested": totals.requested_bytes,
+            "requested_bytes_received": totals.received_bytes,
             "uplink_bytes": self._uplink.bytes,
             "downlink_bytes": self._downlink.bytes,
         }
@@ -320,6 +345,7 @@ class WeightReceiver:
                 elif isinstance(message, WeightManifest):
                     await self._on_manifest(message)
                 elif isinstance(message, WeightChunk):
+                    self._count_progress([message])  # a repair (no chunk stream here)
                     await self._take(message)
 
     async def _inbound(self, limit: int = 16) -> list[WeightChunk]:
@@ -331,7 +357,9 @@ class WeightReceiver:
             self._stream.taken(len(chunks))
             return chunks
         assert self._inbox is not None
-        return [m for m in await self._inbox.recv_many(limit) if isinstance(m, WeightChunk)]
+        chunks = [m for m in await self._inbox.recv_many(limit) if isinstance(m, WeightChunk)]
+        self._count_progress(chunks)
+        return chunks
 
     async def _relay_loop(self) -> None:
         while True:
@@ -443,7 +471,7 @@ class WeightReceiver:
             log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
             return
         self._assembler = assembler
-        self._progress = _Progress(time.monotonic())
+        self._meter.progressed()
         self._apply_plan()
         early = self._early.pop(key, [])
         self._early = {k: v for k, v in self._early.items() if k > key}
@@ -497,6 +525,8 @@ class WeightReceiver:
                 self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
             else:
                 self.counters["chunks_stale"] += 1
+                if self._pacer is not None and key == self._pacer_key:  # after completion
+                    self._repair_totals.received_bytes += self._pacer.landed(chunk.index, chunk.data.nbytes)
         if not mine or assembler is None:
             return
         loop = asyncio.get_running_loop()
@@ -516,9 +546,13 @@ class WeightReceiver:
             # Forward even if the version completed meanwhile (another chunk verified in
             # parallel finished it): the successor still needs this chunk.
             self._queue_forward(assembler, chunk.index, chunk)
+        if self._pacer is not None and self._pacer_key == assembler.key:
+            for chunk, outcome in zip(chunks, outcomes, strict=True):
+                if outcome in ("stored", "duplicate"):
+                    self._repair_totals.received_bytes += self._pacer.landed(chunk.index, chunk.data.nbytes)
         if assembler is not self._assembler:
             return  # completed by a parallel verification, or superseded
-        self._progress.last_s = time.monotonic()
+        self._meter.progressed()
         if assembler.complete:
             self._assembler = None
             self._complete_key = assembler.key
@@ -610,7 +644,15 @@ class WeightReceiver:
                 if plan is not None and plan.stream_secret and successor
                 else None
             )
-            push = chunk_sender(self._transport, f"{self.name}.relay", address, 64 << 20, credentials=credentials)
+            push = chunk_sender(
+                self._transport,
+                f"{self.name}.relay",
+                address,
+                64 << 20,
+                credentials=credentials,
+                connect_timeout_s=self.connect_timeout_s,
+                stall_timeout_s=self.send_timeout_s,
+            )
             self._pushes[address] = push
         return push
 
@@ -622,11 +664,11 @@ class WeightReceiver:
                 continue
             await self._uplink.acquire(chunk.data.nbytes)
             try:
-                # asyncio.timeout, not wait_for: no task per chunk (3.11 wraps each in one)
-                async with asyncio.timeout(self.send_timeout_s):
-                    sent = await self._push(address).send(chunk)
-            except (TimeoutError, ClosedError, TransportError):
+                push = self._push(address)
+            except (ClosedError, TransportError):
                 sent = False
+            else:
+                sent = await send_chunk(push, chunk, self.send_timeout_s)
             if sent:
                 self.counters["chunks_forwarded"] += 1
             else:
@@ -652,33 +694,74 @@ class WeightReceiver:
             )
             await asyncio.sleep(self.announce_s)
 
+    def _count_progress(self, chunks: list[WeightChunk]) -> None:
+        key = self.assembling
+        self._bytes_in += sum(c.data.nbytes for c in chunks if c.policy_version == key)
+
+    def _bytes_received(self) -> int:
+        """Bytes received for the version being assembled, on every path (chunk streams,
+        repair, ZeroMQ inbox). Chunks of older versions still draining from a slow
+        predecessor are no progress: they must not hold off the repair of this one."""
+        stream = self._stream.counters["bytes_in_place"] if self._stream is not None else 0
+        return stream + self._bytes_in
+
+    def _rtt_s(self) -> float:
+        return self._stream.path_rtt_s() if self._stream is not None else 0.0
+
+    def stall_deadline_s(self) -> float:
+        """Seconds without a byte before the version being assembled counts as stalled."""
+        return transfer_deadline_s(0, self._meter.rate_bps, self._rtt_s(), self.gap_timeout_s)
+
     async def _watchdog_loop(self) -> None:
         period = max(0.01, self.gap_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            assembler = self._assembler
-            if assembler is None:
-                continue
-            now = time.monotonic()
-            if now - max(self._progress.last_s, self._progress.requested_s) >= self.gap_timeout_s:
-                if self._stream is not None:
-                    # A stream stuck mid-chunk holds that chunk's place in the buffer, so
-                    # its repair could never land; a stalled version frees them all.
-                    self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
-                await self._request_missing(assembler)
+            await self.check_progress()
+
+    async def check_progress(self) -> None:
+        """One watchdog tick: measure, then repair a stalled version (or keep repairing)."""
+        self._meter.observe(self._bytes_received())
+        assembler = self._assembler
+        if assembler is None:
+            return
+        stalled = self._meter.idle_s >= self.stall_deadline_s()
+        if stalled and self._stream is not None:
+            # A stream stuck mid-chunk holds that chunk's place in the buffer, so its
+            # repair could never land; a stalled version frees them all.
+            self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
+        if stalled or self._pacer_key == assembler.key:
+            await self._request_missing(assembler)  # once repairing: the next window, what expired
 
     async def _request_missing(self, assembler: SnapshotAssembler) -> None:
-        missing = assembler.missing()[:MAX_REPAIR_INDICES]
-        if not missing:
+        """Request the missing chunks that are due (``RepairPacer``: not outstanding, within
+        the member's repair window)."""
+        if self._pacer is None or self._pacer_key != assembler.key:
+            self._pacer_key = assembler.key
+            self._pacer = RepairPacer(
+                _chunk_sizes(assembler.manifest),
+                floor_s=self.gap_timeout_s,
+                max_outstanding_bytes=self.max_repair_bytes,
+            )
+        pacer = self._pacer
+        before = dataclasses.replace(pacer.tally)
+        due = pacer.due(
+            assembler.missing(),
+            self._meter.rate_bps,
+            self._rtt_s(),
+            progressing=self._meter.idle_s < self.stall_deadline_s(),
+            limit=MAX_REPAIR_INDICES,
+        )
+        if not due:
             return
-        self._progress.requested_s = time.monotonic()
+        self._repair_totals.missing_bytes += pacer.tally.missing_bytes - before.missing_bytes
+        self._repair_totals.requested_bytes += pacer.tally.requested_bytes - before.requested_bytes
         self.counters["repair_requests"] += 1
-        self.counters["repair_chunks_requested"] += len(missing)
+        self.counters["repair_chunks_requested"] += len(due)
         await self._control.send(
             ChunkRequest(
                 sampler_id=self.name,
                 incarnation=assembler.key.incarnation,
                 version=assembler.key.version,
-                indices=missing,
+                indices=due,
             )
         )

@@ -118,6 +118,34 @@ def _peer_address(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
+_TCP_INFO = struct.Struct("<8x16I")  # struct tcp_info (linux/tcp.h): 8 bytes, then u32s
+_TCP_INFO_RTO, _TCP_INFO_RTT = 0, 15  # tcpi_rto, tcpi_rtt (microseconds)
+
+
+def _tcp_info(sock: socket.socket | None) -> tuple[float, float]:
+    """(rto, rtt) in seconds as the kernel measures them on ``sock``; (0, 0) where it cannot
+    say (not Linux, not TCP, closed)."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0.0, 0.0
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    except OSError:
+        return 0.0, 0.0
+    if len(raw) < _TCP_INFO.size:
+        return 0.0, 0.0
+    fields = _TCP_INFO.unpack(raw)
+    return fields[_TCP_INFO_RTO] / 1e6, fields[_TCP_INFO_RTT] / 1e6
+
+
+def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
+    return _tcp_info(transport.get_extra_info("socket"))[1]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def is_stream_address(address: str) -> bool:
     return address.startswith(SCHEME + "://")
 
@@ -148,6 +176,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._header_view = memoryview(self._header)
         self._body: memoryview | None = None
         self._chunk: WeightChunk | None = None
+        self._in_place = False  # the body being read lands in its destination
         self._got = 0
         self.transport: asyncio.Transport | None = None
 
@@ -205,6 +234,9 @@ class _Connection(asyncio.BufferedProtocol):
                 self._answer_read()
             return
         self._server.counters["reads"] += 1
+        self._server.counters["bytes_received"] += nbytes
+        if self._in_place:
+            self._server.counters["bytes_in_place"] += nbytes  # progress is judged in these
         self._got += nbytes
         if self._body is None:
             if self._got == HEADER.size:
@@ -247,6 +279,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._got = 0
             return
         target = server._destination(PolicyVersion(incarnation, version), index, nbytes)
+        self._in_place = target is not None
         if target is None:
             target = np.empty(nbytes, dtype=np.uint8)
             server.counters["chunks_copied"] += 1
@@ -306,6 +339,8 @@ class ChunkStreamServer:
                 "admitted",
                 "refused",
                 "refused_handshake",
+                "bytes_received",
+                "bytes_in_place",
             ),
             0,
         )
@@ -388,6 +423,11 @@ class ChunkStreamServer:
                 if transport is not None and not transport.is_closing() and connection.phase != "parked":
                     transport.resume_reading()
 
+    def path_rtt_s(self) -> float:
+        """The largest round trip the kernel measured on the connections open now (0: none
+        or unknown): what deadlines on this inbox's paths are scaled by."""
+        return max((tcp_rtt_s(c.transport) for c in self._connections if c.transport is not None), default=0.0)
+
     def drop_partial(self) -> int:
         """Close every connection that is in the middle of a chunk (its place goes back
         through ``abandon``); returns how many. For a consumer that saw no progress for a
@@ -413,22 +453,40 @@ class ChunkStreamSender:
     """One outbound chunk stream; ``send`` returns once the kernel holds the whole frame.
 
     Same contract as a ``PushEndpoint`` on the weight path: ``await send(chunk)`` is True on
-    success and raises ``ClosedError``/``TransportError`` when the peer is gone; a caller
-    that cancels a send (timeout) must ``close()`` it, as a half-written frame cannot be
-    resumed.
+    success and raises ``ClosedError``/``TransportError`` when the peer is gone.
+
+    A send is judged by progress, not completion: it fails (``TimeoutError``, and the
+    stream is closed, as a half-written frame cannot be resumed) only when the kernel takes
+    no byte of the frame for ``stall_timeout_s``, or three retransmission timeouts as the
+    kernel measures them if that is longer. A 1 MB chunk on a loss-bound path at 100 KB/s
+    takes 10 s and is no failure; a peer that stopped reading is one. Callers must not
+    wrap ``send`` in a timeout of their own (``echo2.weights.plan.send_chunk``).
     """
 
     def __init__(
-        self, address: str, *, connect_timeout_s: float = 5.0, credentials: StreamCredentials | None = None
+        self,
+        address: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        stall_timeout_s: float = 5.0,
+        credentials: StreamCredentials | None = None,
     ) -> None:
         """``credentials``: answer the inbox's challenge with them (``[security]``)."""
         self.credentials = credentials
         self.address = address
         self._host, self._port = parse_address(address)
         self.connect_timeout_s = connect_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
         self.closed = False
+        self.stalls = 0
+        """Sends that failed for want of progress."""
+
+    def stall_deadline_s(self) -> float:
+        """Seconds without a byte taken before a send fails (see the class docstring)."""
+        rto, _ = _tcp_info(self._sock)
+        return max(self.stall_timeout_s, 3 * rto)
 
     async def send(self, chunk: WeightChunk) -> bool:
         if self.closed:
@@ -444,14 +502,43 @@ class ChunkStreamSender:
                 except BlockingIOError:
                     sent = 0
                 if sent < len(header):
-                    await loop.sock_sendall(sock, header[sent:])
+                    await self._send_progressing(loop, sock, memoryview(header)[sent:])
                     sent = len(header)
                 if sent - len(header) < len(data):
-                    await loop.sock_sendall(sock, data[sent - len(header) :])
+                    await self._send_progressing(loop, sock, data[sent - len(header) :])
+            except TimeoutError:
+                self.stalls += 1
+                self.close()
+                raise
             except OSError as exc:
                 self.close()
                 raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
         return True
+
+    async def _send_progressing(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, data: memoryview) -> None:
+        """Hand ``data`` to the kernel as it makes room; TimeoutError once it took no byte
+        for the stall deadline, judged again at the deadline (the kernel's retransmission
+        timeout may have backed off meanwhile: a path losing packets, not a dead peer)."""
+        fd = sock.fileno()
+        progress_s = loop.time()
+        while data:
+            try:
+                sent = sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent:
+                data, progress_s = data[sent:], loop.time()
+                continue
+            writable = loop.create_future()
+            loop.add_writer(fd, _resolve, writable)
+            try:
+                async with asyncio.timeout_at(progress_s + self.stall_deadline_s()):
+                    await writable
+            except TimeoutError:
+                if loop.time() >= progress_s + self.stall_deadline_s():
+                    raise
+            finally:
+                loop.remove_writer(fd)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
         infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
@@ -502,4 +589,5 @@ __all__ = [
     "is_stream_address",
     "parse_address",
     "stream_mac",
+    "tcp_rtt_s",
 ]

@@ -1,0 +1,224 @@
+"""Deadlines and repair pacing for weight transfers on slow, lossy paths.
+
+At 200 ms RTT and 1% loss one loss-bound TCP stream moves ~100 KB/s, so a 1 MB chunk takes
+about 10 s: a timeout counted in completed chunks (the old "2 s without a chunk") fires in
+the middle of every chunk, aborts the stream and re-requests everything, and the repairs
+then queue behind each other on the same slow path. Here instead:
+
+* progress is counted in bytes (``RateMeter``): a transfer is stalled only when no byte of
+  it arrived for ``stall_deadline_s`` = max(floor, K x RTT);
+* each repaired chunk gets its own deadline (``transfer_deadline_s``): max(floor, K x bytes
+  queued up to and including it / measured rate, K x RTT), and it is not requested again
+  before that deadline passes, nor while bytes of the version keep arriving;
+* at most ``max_outstanding_bytes`` of repair are outstanding per member (``RepairPacer``),
+  so a stall never turns into a request for the whole version at once.
+
+Pure and clocked by an injected ``clock`` (monotonic seconds): tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+K = 3.0
+"""Slack on every derived deadline: K times the expected transfer time or round trip."""
+DEFAULT_MAX_OUTSTANDING_BYTES = 4 << 20
+"""Repair bytes a member may have requested and not yet received (4 chunks of 1 MB)."""
+
+Clock = Callable[[], float]
+
+
+def transfer_deadline_s(nbytes: int, rate_bps: float, rtt_s: float, floor_s: float, k: float = K) -> float:
+    """Seconds to allow for ``nbytes`` to arrive at ``rate_bps`` (bytes/s; 0: unknown) over
+    a path of round trip ``rtt_s`` (0: unknown): never less than ``floor_s``."""
+    deadline = max(floor_s, k * rtt_s)
+    if rate_bps > 0:
+        deadline = max(deadline, k * nbytes / rate_bps)
+    return deadline
+
+
+class RateMeter:
+    """Bytes per second received, over the last ``window_s``, from running totals.
+
+    ``observe(total)`` takes a monotonic byte count (every path of the version together);
+    ``rate_bps`` is 0 until two observations span some time. ``idle_s`` is how long the
+    total has not grown: the byte-level progress a stall is judged by.
+    """
+
+    def __init__(self, window_s: float = 8.0, clock: Clock = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, int]] = deque()
+        self._last_growth_s = clock()
+        self._rate_bps = 0.0
+
+    def observe(self, total_bytes: int) -> None:
+        now = self._clock()
+        grew = not self._samples or total_bytes > self._samples[-1][1]
+        self._samples.append((now, total_bytes))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        if grew:
+            self._last_growth_s = now
+            self._rate_bps = self._window_rate() or self._rate_bps
+
+    def progressed(self) -> None:
+        """Progress seen some other way (a chunk verified): not idle from now."""
+        self._last_growth_s = self._clock()
+
+    def _window_rate(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 and b1 > b0 else 0.0
+
+    @property
+    def rate_bps(self) -> float:
+        """The rate over the window that ended with the last byte received (0: none yet).
+        A stalled path has not become infinitely slow: deadlines must stay finite."""
+        return self._rate_bps
+
+    @property
+    def idle_s(self) -> float:
+        return self._clock() - self._last_growth_s
+
+
+@dataclasses.dataclass
+class RepairTally:
+    """One version's repair accounting, in bytes (what the WAN floors compare)."""
+
+    missing_bytes: int = 0
+    """Bytes of the distinct chunks that were missing when first requested."""
+    requested_bytes: int = 0
+    """Bytes asked for, re-requests included."""
+    received_bytes: int = 0
+    """Bytes that arrived for chunks once requested, by any path, duplicates included."""
+
+
+class RepairPacer:
+    """Which missing chunks of one version to request now (receiver side, per version).
+
+    A chunk requested is outstanding until it lands (``landed``) or its deadline passes;
+    only then may it be requested again. New requests stop at ``max_outstanding_bytes``
+    (at least one chunk goes out when none is outstanding, whatever its size). Deadlines
+    follow the queue: the n-th chunk of a request is expected after the n chunks before it.
+    """
+
+    def __init__(
+        self,
+        chunk_sizes: Sequence[int],
+        *,
+        floor_s: float,
+        max_outstanding_bytes: int = DEFAULT_MAX_OUTSTANDING_BYTES,
+        k: float = K,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._sizes = chunk_sizes
+        self.floor_s = floor_s
+        self.max_outstanding_bytes = max_outstanding_bytes
+        self.k = k
+        self._clock = clock
+        self._deadlines: dict[int, float] = {}  # outstanding index -> monotonic deadline
+        self._ever_requested: set[int] = set()
+        self.tally = RepairTally()
+        self.expired = 0
+        """Requests whose deadline passed before their chunk landed (each re-requestable)."""
+
+    @property
+    def outstanding_bytes(self) -> int:
+        return sum(self._sizes[i] for i in self._deadlines)
+
+    def outstanding(self) -> set[int]:
+        return set(self._deadlines)
+
+    def due(
+        self,
+        missing: Sequence[int],
+        rate_bps: float,
+        rtt_s: float,
+        *,
+        progressing: bool = False,
+        limit: int = 1 << 30,
+    ) -> list[int]:
+        """The chunks of ``missing`` to request now (at most ``limit``), in order; records
+        them as requested. ``progressing``: bytes of the version are still arriving, so a
+        request past its deadline is late, not lost (before the rate is measured its
+        deadline is only the floor, and a 1 MB chunk at 100 KB/s takes 10 s): it expires
+        once the version is quiet."""
+        now = self._clock()
+        for index, deadline in list(self._deadlines.items()):
+            if now >= deadline and not progressing:
+                del self._deadlines[index]
+                self.expired += 1
+        queued = self.outstanding_bytes
+        chosen: list[int] = []
+        for index in missing:
+            if len(chosen) >= limit:
+                break
+            if index in self._deadlines:
+                continue
+            size = self._sizes[index]
+            if queued + size > self.max_outstanding_bytes and (queued or chosen):
+                break
+            queued += size
+            self._deadlines[index] = now + transfer_deadline_s(queued, rate_bps, rtt_s, self.floor_s, self.k)
+            self.tally.requested_bytes += size
+            if index not in self._ever_requested:
+                self._ever_requested.add(index)
+                self.tally.missing_bytes += size
+            chosen.append(index)
+        return chosen
+
+    def landed(self, index: int, nbytes: int) -> int:
+        """Chunk ``index`` arrived (verified or a duplicate, on any path); returns the bytes
+        counted as repair received (0: never requested)."""
+        self._deadlines.pop(index, None)
+        if index not in self._ever_requested:
+            return 0
+        self.tally.received_bytes += nbytes
+        return nbytes
+
+    def next_deadline_s(self) -> float | None:
+        return min(self._deadlines.values(), default=None)
+
+
+class OutstandingRepairs:
+    """Publisher side: the chunk indices queued for each member and not yet sent, so that a
+    request repeated before the first was served adds nothing."""
+
+    def __init__(self) -> None:
+        self._queued: dict[str, tuple[object, set[int]]] = {}  # member -> (version, indices)
+
+    def admit(self, member: str, version: object, indices: Sequence[int]) -> list[int]:
+        """The indices of this request not already queued for ``member`` (now queued)."""
+        held = self._queued.get(member)
+        if held is None or held[0] != version:
+            held = (version, set())
+            self._queued[member] = held
+        fresh = [i for i in dict.fromkeys(indices) if i not in held[1]]
+        held[1].update(fresh)
+        return fresh
+
+    def sent(self, member: str, version: object, index: int) -> None:
+        """``index`` left the queue (sent, or given up on): a later request may ask again."""
+        held = self._queued.get(member)
+        if held is not None and held[0] == version:
+            held[1].discard(index)
+
+    def queued(self, member: str) -> int:
+        held = self._queued.get(member)
+        return len(held[1]) if held is not None else 0
+
+
+__all__ = [
+    "DEFAULT_MAX_OUTSTANDING_BYTES",
+    "K",
+    "OutstandingRepairs",
+    "RateMeter",
+    "RepairPacer",
+    "RepairTally",
+    "transfer_deadline_s",
+]
