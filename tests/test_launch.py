@@ -536,5 +536,6 @@ def test_a_workers_only_host_stops_when_the_run_ends_not_at_its_deadline(tmp_pat
             out_b, _ = edge.communicate(timeout=15)  # well before its 90 s deadline
     assert edge.returncode == 0, out_b
     assert "the run is over" in out_b and "completed the run" in out_b, out_b
+    assert "did not acknowledge the end of the run" not in out_a, out_a  # the sampler's EndOfStreamMsg came back
     status = json.loads(RunDir(the_run_dir(tmp_path / "b")).status_path.read_text())
     assert status["exit_code"] == 0 and status["processes"] == {"edge": 0}, status

@@ -47,6 +47,7 @@ Shutdown: on ``stopping`` it stops issuing and returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import json
@@ -71,6 +72,7 @@ from echo2.messages import (
     INSTALLED_TOPIC,
     PROTOCOL_VERSION,
     AdmissionWindow,
+    EndOfStreamMsg,
     ExpireLease,
     Heartbeat,
     Hello,
@@ -336,12 +338,27 @@ class PromptSource(Actor):
         """Tell every welcomed sampler that the run is over (``RunEnded``): samplers on other
         hosts stop, and so do their launchers."""
         ended = RunEnded(server_id=self.name, reason="the trusted side stopped the run")
+        # Until each acknowledges (EndOfStreamMsg), re-sent every half second: over a lossy
+        # path a last message can be lost when this process exits, and reading what the
+        # samplers still send keeps the kernel from resetting the connections at close.
+        unacknowledged = set(self._peers.routes())
         try:
             async with asyncio.timeout(self.config.end_notice_timeout_s):  # a gone peer must not hold the drain
-                for route in self._peers.routes():
-                    await self._tasks_ep.send(route, ended)
+                while unacknowledged:
+                    for route in unacknowledged:
+                        await self._tasks_ep.send(route, ended)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.5):
+                            while unacknowledged:
+                                for peer, message in await self._tasks_ep.recv_many():
+                                    if isinstance(message, EndOfStreamMsg):
+                                        unacknowledged.discard(peer)
         except TimeoutError:
-            self.ctx.log.warning("run end not announced to every sampler within %g s", self.config.end_notice_timeout_s)
+            self.ctx.log.warning(
+                "%d sampler(s) did not acknowledge the end of the run within %g s",
+                len(unacknowledged),
+                self.config.end_notice_timeout_s,
+            )
 
     # -- activation ------------------------------------------------------------------
 
