@@ -174,6 +174,13 @@ class RunEnded(Message, frozen=True):
     reason: str = ""
 
 
+class RunEndedSeen(Message, frozen=True):
+    """Sampler -> PromptSource on ``tasks``: the acknowledgement of ``RunEnded`` (until it
+    comes, the PromptSource re-sends ``RunEnded``, for a bounded time)."""
+
+    sampler_id: str
+
+
 class Probe(Message, frozen=True):
     """Server -> a connection it already knows, to learn whether that connection is still
     up (a send to a closed one fails at once). Carries nothing; clients ignore it."""
@@ -759,6 +766,7 @@ AnyMessage = (
     | Welcome
     | Probe
     | RunEnded
+    | RunEndedSeen
     | EndOfStreamMsg
     | Heartbeat
     | MetricsRecord

@@ -72,7 +72,6 @@ from echo2.messages import (
     INSTALLED_TOPIC,
     PROTOCOL_VERSION,
     AdmissionWindow,
-    EndOfStreamMsg,
     ExpireLease,
     Heartbeat,
     Hello,
@@ -85,6 +84,7 @@ from echo2.messages import (
     ModelIdentity,
     PromptSourceStats,
     RunEnded,
+    RunEndedSeen,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -338,7 +338,7 @@ class PromptSource(Actor):
         """Tell every welcomed sampler that the run is over (``RunEnded``): samplers on other
         hosts stop, and so do their launchers."""
         ended = RunEnded(server_id=self.name, reason="the trusted side stopped the run")
-        # Until each acknowledges (EndOfStreamMsg), re-sent every half second: over a lossy
+        # Until each acknowledges (RunEndedSeen), re-sent every half second: over a lossy
         # path a last message can be lost when this process exits, and reading what the
         # samplers still send keeps the kernel from resetting the connections at close.
         unacknowledged = set(self._peers.routes())
@@ -351,7 +351,7 @@ class PromptSource(Actor):
                         async with asyncio.timeout(0.5):
                             while unacknowledged:
                                 for peer, message in await self._tasks_ep.recv_many():
-                                    if isinstance(message, EndOfStreamMsg):
+                                    if isinstance(message, RunEndedSeen):
                                         unacknowledged.discard(peer)
         except TimeoutError:
             self.ctx.log.warning(

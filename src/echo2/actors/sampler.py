@@ -47,12 +47,12 @@ from echo2.errors import ModelMismatch, TransportError
 from echo2.messages import (
     INSTALLED_TOPIC,
     NO_VERSION,
-    EndOfStreamMsg,
     Hello,
     ModelIdentity,
     PolicyVersion,
     RolloutGroup,
     RunEnded,
+    RunEndedSeen,
     SamplerStats,
     TaskLease,
     WeightsInstalled,
@@ -279,7 +279,7 @@ class Sampler(Actor):
             for message in await self._tasks.recv_many():
                 if isinstance(message, RunEnded):
                     self.ctx.log.warning("the run is over (%s: %s); stopping", message.server_id, message.reason)
-                    await self._tasks.send(EndOfStreamMsg(producer_id=self.name))  # the acknowledgement
+                    await self._tasks.send(RunEndedSeen(sampler_id=self.name))
                     self._run_ended.set()
                 elif isinstance(message, TaskLease):
                     self._owed = max(0, self._owed - 1)
