@@ -91,6 +91,7 @@ from echo2.messages import (
 from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task, prompt_stream
 from echo2.transport import SocketOptions
+from echo2.transport.endpoint import CONTROL_MAX_MESSAGE_BYTES, TELEMETRY_MAX_MESSAGE_BYTES
 from echo2.transport.peers import Claimed, PeerTable, Refusal
 
 
@@ -107,6 +108,10 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     """Most seconds spent telling samplers the run is over (``RunEnded``) as it stops."""
     max_tasks: Annotated[int, Meta(ge=0)] = 0
     """Stop after this many distinct tasks (0 = unlimited)."""
+    max_credits_per_sampler: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024
+    """Most credits one sampler may hold unserved; a ``WorkRequest`` beyond it is clamped
+    and counted (``PromptSourceStats.credits_clamped``). Credits are leases the sampler
+    asked for and has not yet been given: a sampler's own ``credits`` setting at most."""
     activation: ActivationPolicy = "all"
     """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
     hysteresis) or "random" (the ablation). See ``echo2.capacity.scheduler``."""
@@ -164,11 +169,13 @@ class PromptSource(Actor):
     kind: ClassVar[str] = "prompt_source"
     Config = PromptSourceConfig
     ports: ClassVar[dict[str, Port]] = {
-        "tasks": Port("router", bind=True),
-        "completions": Port("pull", bind=True),
+        "tasks": Port("router", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
+        "completions": Port("pull", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
         "lease_control": Port("push", bind=False),
-        "telemetry": Port("sub", bind=True, channel="telemetry", on_full="drop"),
-        "leases": Port("router", bind=True),
+        "telemetry": Port(
+            "sub", bind=True, channel="telemetry", on_full="drop", max_message_bytes=TELEMETRY_MAX_MESSAGE_BYTES
+        ),
+        "leases": Port("router", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
     }
     config: PromptSourceConfig
 
@@ -232,6 +239,7 @@ class PromptSource(Actor):
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
         self._unwelcomed_dropped: dict[str, int] = {}
+        self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
@@ -311,6 +319,7 @@ class PromptSource(Actor):
             dollars_spent=self.dollars_spent,
             refused=dict(self._peers.refused),
             unwelcomed_dropped=dict(self._unwelcomed_dropped),
+            credits_clamped=dict(self._credits_clamped),
         )
 
     def _inflight(self) -> int:
@@ -403,7 +412,14 @@ class PromptSource(Actor):
                     kind = type(message).__name__
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
                 elif isinstance(message, WorkRequest):
-                    self._credits[peer] = self._credits.get(peer, 0) + max(0, message.credits)
+                    # Clamped: a peer asking for 10^6 leases would get every task the window
+                    # admits, starving the other samplers until those leases expire.
+                    wanted = self._credits.get(peer, 0) + max(0, message.credits)
+                    if wanted > self.config.max_credits_per_sampler:
+                        name = self._sampler_name(peer)
+                        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
+                        wanted = self.config.max_credits_per_sampler
+                    self._credits[peer] = wanted
                     self._installed[peer] = message.installed_version
                     self._wakeup.set()
 
