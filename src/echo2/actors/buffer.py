@@ -381,14 +381,17 @@ class Buffer(Actor):
         return msgspec.structs.replace(request, num_groups=limit)
 
     async def _answer_pending(self) -> None:
-        if not self._pending:
-            return
+        """Answer pending requests, oldest first, while the store holds enough for one."""
+        while self._pending and await self._answer_oldest():
+            pass
+
+    async def _answer_oldest(self) -> bool:
         peer, request = next(iter(self._pending.items()))
         evicted = self._evict_stale()
         if len(self._store) < request.num_groups:
             if evicted:
                 await self._report_progress(request.version)
-            return
+            return False
         del self._pending[peer]
         groups = [self._store.popleft() for _ in range(request.num_groups)]
         for g in groups:
@@ -402,6 +405,7 @@ class Buffer(Actor):
         self.counters["batches_served"] += 1
         await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)
+        return True
 
     async def _report_progress(self, next_version: int) -> None:
         await self._completions.send(
