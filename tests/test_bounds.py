@@ -67,8 +67,7 @@ async def test_an_oversized_frame_closes_its_sender_and_is_counted(transport: Tr
     try:
         hostile.connect(rx.endpoints[0])
         # 8 MB announced (the flood benchmark sends 200 MB): libzmq reads the size, refuses
-        # it and closes the connection
-        # without allocating it (this process never holds the frame).
+        # it and closes the connection without allocating it (no process holds the frame).
         hostile.send(b"\xe2\x01" + bytes(8 * 1024 * 1024))
         await _until(lambda: rx.statistics().disconnects >= 1)
         await legit.send(work(1))
