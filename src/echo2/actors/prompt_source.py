@@ -114,7 +114,7 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     leases); a ``WorkRequest`` beyond it is clamped and counted
     (``PromptSourceStats.credits_clamped``). An honest sampler stays within its own
     ``credits`` setting (plus the leases it answered that are not yet closed): keep this
-at twice the largest of those."""
+    at twice the largest of those."""
     activation: ActivationPolicy = "all"
     """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
     hysteresis) or "random" (the ablation). See ``echo2.capacity.scheduler``."""
