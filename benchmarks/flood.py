@@ -106,9 +106,11 @@ def _flood(targets: list[tuple[str, int]], total: int, big: int, seconds: float,
             except zmq.Again:
                 # A full pipe (the receiver is behind, or the connection was just closed
                 # on us): wait a little for room, as a determined sender would, then skip.
-                if target.poll(20, zmq.POLLOUT):
+                try:
+                    if not target.poll(20, zmq.POLLOUT):
+                        raise zmq.Again()
                     target.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                else:
+                except zmq.Again:
                     refused += 1
             sent += 1
             ahead = started + sent * interval - time.monotonic()
