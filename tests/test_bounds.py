@@ -59,7 +59,8 @@ def work(n: int) -> WorkRequest:
 
 
 async def test_an_oversized_frame_closes_its_sender_and_is_counted(transport: Transport) -> None:
-    rx = transport.pull(name="rx", bind=["tcp://127.0.0.1:0"], options=SocketOptions(max_message_bytes=64 * 1024))
+    options = SocketOptions(max_message_bytes=64 * 1024, count_disconnects=True)
+    rx = transport.pull(name="rx", bind=["tcp://127.0.0.1:0"], options=options)
     hostile_context = zmq.Context()
     hostile = hostile_context.socket(zmq.PUSH)
     hostile.setsockopt(zmq.LINGER, 0)

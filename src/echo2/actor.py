@@ -196,7 +196,10 @@ class ActorContext:
         addresses = self._ports.get(port, PortAddresses())
         # max_message_bytes: a bound the actor derives from its job (a group's size).
         max_message_bytes = overrides.pop("max_message_bytes", spec.max_message_bytes)
-        options = overrides.pop("options", SocketOptions(hwm=spec.hwm, max_message_bytes=max_message_bytes))
+        options = overrides.pop(
+            "options",
+            SocketOptions(hwm=spec.hwm, max_message_bytes=max_message_bytes, count_disconnects=spec.bind),
+        )
         if self._curve is not None and "curve" not in overrides:
             overrides["curve"] = self._curve.for_port(addresses)
         endpoint = self.transport.open(

@@ -111,7 +111,7 @@ class Transport:
                 apply_client(socket, curve)
             for url in bind:
                 endpoint.endpoints.append(_bind(socket, url))
-            if any(not url.startswith("inproc://") for url in bind):
+            if options.count_disconnects and any(not url.startswith("inproc://") for url in bind):
                 # Peers from other processes: count their disconnects (oversized frames
                 # among them; inproc has no frames to refuse and no connection to drop).
                 endpoint.monitor_disconnects()

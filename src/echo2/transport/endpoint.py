@@ -19,8 +19,8 @@ Memory is bounded per socket, not per process: ``SocketOptions.max_message_bytes
 reading its size and before buffering any of it, and each peer's pipe holds at most ``hwm``
 messages; so one peer can park at most ``hwm * max_message_bytes`` bytes in a receiving
 socket. A receive drains at most ``recv_budget_bytes`` past the first message, so a
-batch handed out is bounded in bytes as well as in messages. Bound sockets count their
-peers' disconnects (``EndpointStats.disconnects``: the oversized-frame closes among them,
+batch handed out is bounded in bytes as well as in messages. Bound sockets with
+``count_disconnects`` (every actor's) count their peers' disconnects (``EndpointStats.disconnects``: the oversized-frame closes among them,
 libzmq does not tell those apart).
 """
 
@@ -119,6 +119,10 @@ class SocketOptions:
     one turn of the event loop) leave as one bundle (``codec.py``); 1 turns it off."""
     recv_budget_bytes: int = DEFAULT_RECV_BUDGET_BYTES
     """Bytes one receive drains from the socket past its first message."""
+    count_disconnects: bool = False
+    """Bound on tcp/ipc: count peers' disconnects (``EndpointStats.disconnects``) with a
+    socket monitor. A socket has one monitor: leave it off to monitor the socket yourself
+    (the actors' bound ports turn it on, ``ActorContext.open``)."""
 
 
 class Endpoint:
