@@ -84,7 +84,7 @@ def _bound_urls(run: RunDir) -> list[tuple[str, int]]:
     for url in out:
         # ROUTER ports take DEALER peers; PULL/SUB ports take PUSH; XPUB ignores data.
         name = url.rsplit("/", 1)[-1]
-        kinds.append((url, zmq.DEALER if name.endswith((".tasks", ".batch")) else zmq.PUSH))
+        kinds.append((url, zmq.DEALER if name.endswith((".tasks", ".batch", ".leases")) else zmq.PUSH))
     return kinds
 
 

@@ -55,7 +55,9 @@ class Port:
     on_full: OnFull = "block"
     """At the high-water mark a send blocks ("block") or the message is dropped ("drop")."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest message accepted from a peer, bytes (a bigger one closes its connection)."""
+    """Largest message accepted from a peer, bytes (a bigger one closes its connection):
+    what the channel legitimately carries (``CONTROL_MAX_MESSAGE_BYTES`` for requests and
+    leases), since a peer can park ``hwm`` of them in the socket. Not enforced on inproc."""
     channel: str = ""
     """Channel whose binders and connectors meet; "": the port's own name."""
 
@@ -183,13 +185,21 @@ class ActorContext:
         return bool(addresses and (addresses.bind or addresses.connect))
 
     def open(self, port: str, **overrides: Any) -> Any:
-        """Open the endpoint for a declared port at its resolved addresses."""
+        """Open the endpoint for a declared port at its resolved addresses.
+
+        ``overrides``: ``Transport.open``'s keywords, and ``max_message_bytes`` in place of
+        the port's declared one (a bound that depends on the job)."""
         try:
             spec = self._declared[port]
         except KeyError:
             raise ConfigError(f"actor {self.actor_name!r} has no port {port!r}") from None
         addresses = self._ports.get(port, PortAddresses())
-        options = overrides.pop("options", SocketOptions(hwm=spec.hwm, max_message_bytes=spec.max_message_bytes))
+        # max_message_bytes: a bound the actor derives from its job (a group's size).
+        max_message_bytes = overrides.pop("max_message_bytes", spec.max_message_bytes)
+        options = overrides.pop(
+            "options",
+            SocketOptions(hwm=spec.hwm, max_message_bytes=max_message_bytes, count_disconnects=spec.bind),
+        )
         if self._curve is not None and "curve" not in overrides:
             overrides["curve"] = self._curve.for_port(addresses)
         endpoint = self.transport.open(

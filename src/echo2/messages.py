@@ -257,6 +257,10 @@ class SamplerStats(Statistics, frozen=True):
     """Dollars per hour this worker costs (cost-aware activation)."""
 
 
+BatchClampReason = Literal["above_groups_per_step", "above_capacity"]
+"""Why the Buffer served a ``BatchRequest`` fewer groups than it asked for."""
+
+
 class BufferStats(Statistics, frozen=True):
     """The Buffer's accounting (also sent with every ``Batch``)."""
 
@@ -274,6 +278,9 @@ class BufferStats(Statistics, frozen=True):
     rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
     """The same, per sampler: the lease holder's name when the group echoed its lease's
     token, else the name the group claims (self-claimed, so never grounds for quarantine)."""
+    batch_requests_clamped: dict[BatchClampReason, int] = {}
+    """``BatchRequest``s asking for more groups than one step trains (``groups_per_step``)
+    or the Buffer holds (``max_groups``), served that many instead, by reason."""
 
 
 class PromptSourceStats(Statistics, frozen=True):
@@ -299,6 +306,9 @@ class PromptSourceStats(Statistics, frozen=True):
     """Hellos refused, by ``RefusalReason``."""
     unwelcomed_dropped: dict[str, int] = {}
     """Messages from connections never welcomed (or refused), dropped unserved, by type."""
+    credits_clamped: dict[str, int] = {}
+    """``WorkRequest``s whose credits would exceed ``max_credits_per_sampler``, by sampler:
+    clamped to it."""
     open_leases: int = 0
     inflight: int = 0
     active_samplers: int = 0
@@ -371,6 +381,12 @@ class EndpointHealth(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     decode_errors: int = 0
     dropped: int = 0
+    disconnects: int = 0
+    """Peer connections closed (bound sockets): by the peer, or by libzmq for a frame over
+    the socket's maximum message size."""
+    inconsistent: dict[str, int] = {}
+    """Well-formed messages whose fields contradict each other, by check (also in
+    ``decode_errors``)."""
 
 
 class Heartbeat(Message, frozen=True):

@@ -237,7 +237,12 @@ class ProcessRuntime:
             lag = max(0.0, loop.time() - expected)
             actor_stats = {a.name: stats for a in self.actors if (stats := _statistics_of(a)) is not None}
             endpoints = {
-                s.name: EndpointHealth(decode_errors=s.decode_errors, dropped=s.dropped)
+                s.name: EndpointHealth(
+                    decode_errors=s.decode_errors,
+                    dropped=s.dropped,
+                    disconnects=s.disconnects,
+                    inconsistent=s.inconsistent,
+                )
                 for ctx in self._contexts
                 for s in (endpoint.statistics() for endpoint in ctx.endpoints)
             }

@@ -49,6 +49,20 @@ QUARANTINE_EXEMPT: frozenset[RejectReason] = frozenset({"stale_version"})
 stale work now and then (and a sampler that stays too old is given no leases instead)."""
 
 
+PROMPT_ALLOWANCE_BYTES = 1 << 20
+"""A group's prompt (text and ids) and fixed fields, at most: far beyond any task's."""
+BYTES_PER_SAMPLED_TOKEN = 4 + 4 + 64
+"""An id (int32), a log-probability (float32) and the token's text (at most 64 UTF-8 bytes)."""
+
+
+def rollout_group_max_bytes(job: JobConfig) -> int:
+    """The largest message a legitimate group of this job can be (a ``ScoredGroup`` adds
+    two bytes per sample): the ``max_message_bytes`` of every socket that receives groups,
+    so that a peer's bigger frame closes its connection before any of it is buffered."""
+    per_sample = job.max_new_tokens * BYTES_PER_SAMPLED_TOKEN + 256  # + finish reason, offsets
+    return PROMPT_ALLOWANCE_BYTES + job.group_size * per_sample
+
+
 @dataclass(frozen=True)
 class PromptCodec:
     """The trusted side's tokenizer (prompts encoded, completions decoded) and the model's vocabulary size."""

@@ -39,8 +39,10 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actors.admission import rollout_group_max_bytes
 from echo2.messages import (
     Batch,
+    BatchClampReason,
     BatchRequest,
     BufferStats,
     ExpireLease,
@@ -55,6 +57,7 @@ from echo2.messages import (
 )
 from echo2.rundir import RunDir
 from echo2.transport.codec import Codec
+from echo2.transport.endpoint import CONTROL_MAX_MESSAGE_BYTES
 
 OTHER_SAMPLERS = "(other)"
 """``rejected_by_sampler`` key of forgeries claiming names beyond the first 64 seen."""
@@ -70,9 +73,9 @@ class Buffer(Actor):
     kind: ClassVar[str] = "buffer"
     Config = BufferConfig
     ports: ClassVar[dict[str, Port]] = {
-        "scored": Port("pull", bind=True),
-        "batch": Port("router", bind=True),
-        "lease_control": Port("pull", bind=True),
+        "scored": Port("pull", bind=True),  # a group's size: rollout_group_max_bytes(job)
+        "batch": Port("router", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
+        "lease_control": Port("pull", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
         "completions": Port("push", bind=False),
     }
     config: BufferConfig
@@ -89,7 +92,10 @@ class Buffer(Actor):
         # Groups handed to the learner since its last checkpoint: a crashed learner resumes
         # from that checkpoint and must train them again, so they are kept until then.
         self._retained: deque[tuple[int, ScoredGroup]] = deque()
-        self._pending: tuple[bytes, BatchRequest] | None = None
+        # Each peer's latest unanswered request, oldest first: one peer's request never
+        # displaces another's (a stray request once stalled the learner's).
+        self._pending: dict[bytes, BatchRequest] = {}
+        self.batch_requests_clamped: dict[BatchClampReason, int] = {}
         self.counters: dict[str, int] = {
             "groups_stored": 0,
             "groups_trained": 0,
@@ -100,7 +106,7 @@ class Buffer(Actor):
         self.rejected: dict[RejectReason, int] = {}
         self.rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
         self.delivered_by_sampler: dict[str, int] = {}  # rollouts stored, per sampler
-        self._scored = ctx.open("scored")
+        self._scored = ctx.open("scored", max_message_bytes=rollout_group_max_bytes(self.job))
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
@@ -201,6 +207,7 @@ class Buffer(Actor):
             learner_version=self._learner_version,
             rejected=dict(self.rejected),
             rejected_by_sampler={s: dict(r) for s, r in self.rejected_by_sampler.items()},
+            batch_requests_clamped=dict(self.batch_requests_clamped),
         )
 
     async def run(self) -> None:
@@ -336,7 +343,10 @@ class Buffer(Actor):
                         self._on_new_incarnation(message)
                         # Admission refuses versions of an incarnation it has not heard of.
                         await self._report_progress(message.version)
-                    self._pending = (peer, message)
+                        # The previous incarnation is dead: its requests go unanswered.
+                        self._pending = {p: r for p, r in self._pending.items() if r.incarnation >= message.incarnation}
+                    self._pending.pop(peer, None)  # a peer's newer request replaces its older one
+                    self._pending[peer] = self._clamped(message)
                     self._learner_version = max(self._learner_version, message.version)
                 elif isinstance(message, LearnerCheckpointed):
                     self._on_checkpoint(message)
@@ -356,16 +366,33 @@ class Buffer(Actor):
             self.counters["groups_dropped_after_store"] += evicted
         return evicted
 
+    def _clamped(self, request: BatchRequest) -> BatchRequest:
+        """At most what one step trains and what the store can hold: a request for more
+        could never be answered, and the run would wait for it until its deadline."""
+        reason: BatchClampReason = "above_groups_per_step"
+        limit = self.job.groups_per_step
+        if self.config.max_groups < limit:
+            reason, limit = "above_capacity", self.config.max_groups
+        if request.num_groups <= limit:
+            return request
+        count = self.batch_requests_clamped[reason] = self.batch_requests_clamped.get(reason, 0) + 1
+        if count == 1:  # once per reason: the counter tells the rest
+            self.ctx.log.warning("a BatchRequest for %d groups is served %d (%s)", request.num_groups, limit, reason)
+        return msgspec.structs.replace(request, num_groups=limit)
+
     async def _answer_pending(self) -> None:
-        if self._pending is None:
-            return
-        peer, request = self._pending
+        """Answer pending requests, oldest first, while the store holds enough for one."""
+        while self._pending and await self._answer_oldest():
+            pass
+
+    async def _answer_oldest(self) -> bool:
+        peer, request = next(iter(self._pending.items()))
         evicted = self._evict_stale()
         if len(self._store) < request.num_groups:
             if evicted:
                 await self._report_progress(request.version)
-            return
-        self._pending = None
+            return False
+        del self._pending[peer]
         groups = [self._store.popleft() for _ in range(request.num_groups)]
         for g in groups:
             self.ctx.ledger(
@@ -378,6 +405,7 @@ class Buffer(Actor):
         self.counters["batches_served"] += 1
         await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)
+        return True
 
     async def _report_progress(self, next_version: int) -> None:
         await self._completions.send(

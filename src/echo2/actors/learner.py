@@ -53,6 +53,7 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, until_stopping
+from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
@@ -168,7 +169,12 @@ class Learner(Actor):
         await asyncio.to_thread(self._build)
         if ctx.resume:
             await asyncio.to_thread(self._restore)
-        self._batches = ctx.open("batch", identity=connection_routing_id(self.name))
+        self._batches = ctx.open(
+            "batch",
+            identity=connection_routing_id(self.name),
+            # A Batch is groups_per_step groups and the Buffer's counters.
+            max_message_bytes=self.job.groups_per_step * rollout_group_max_bytes(self.job) + (1 << 20),
+        )
         self._snapshots = ctx.open("snapshots")
 
     def _build(self) -> None:

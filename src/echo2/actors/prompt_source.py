@@ -8,7 +8,8 @@ Input: ``tasks`` (ROUTER) — ``Hello`` and ``WorkRequest(credits)`` from Sample
 Output: ``TaskLease`` to samplers with credit; ``ExpireLease`` to the Buffer (``lease_control``).
 
 Backpressure: work is pulled, never pushed. A sampler receives at most the credits it
-granted, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
+granted (capped by ``max_credits_per_sampler``), samplers with credit are served one lease
+each in turn, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
 leased or stored but not yet trained, so generation cannot run ahead of the learner by
 more than the staleness budget allows. Each lease carries ``min_version`` (the learner's
 next version minus S): samplers wait for weights rather than make work that would arrive
@@ -57,7 +58,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 import numpy as np
@@ -93,6 +94,7 @@ from echo2.messages import (
 from echo2.rundir import RunDir
 from echo2.tasks.base import Prompt, load_job_task, prompt_stream
 from echo2.transport import SocketOptions
+from echo2.transport.endpoint import CONTROL_MAX_MESSAGE_BYTES, TELEMETRY_MAX_MESSAGE_BYTES
 from echo2.transport.peers import Claimed, PeerTable, Refusal
 
 
@@ -109,6 +111,12 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     """Most seconds spent telling samplers the run is over (``RunEnded``) as it stops."""
     max_tasks: Annotated[int, Meta(ge=0)] = 0
     """Stop after this many distinct tasks (0 = unlimited)."""
+    max_credits_per_sampler: Annotated[int, Meta(ge=1, le=65536)] = 64
+    """Most leases one sampler may hold and ask for at once (its credit plus its open
+    leases); a ``WorkRequest`` beyond it is clamped and counted
+    (``PromptSourceStats.credits_clamped``). An honest sampler stays within its own
+    ``credits`` setting (plus the leases it answered that are not yet closed): keep this
+    at twice the largest of those."""
     activation: ActivationPolicy = "all"
     """Which samplers get work: "all", "cost_aware" (greedy by price per rollout/s, with
     hysteresis) or "random" (the ablation). See ``echo2.capacity.scheduler``."""
@@ -166,11 +174,13 @@ class PromptSource(Actor):
     kind: ClassVar[str] = "prompt_source"
     Config = PromptSourceConfig
     ports: ClassVar[dict[str, Port]] = {
-        "tasks": Port("router", bind=True),
-        "completions": Port("pull", bind=True),
+        "tasks": Port("router", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
+        "completions": Port("pull", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
         "lease_control": Port("push", bind=False),
-        "telemetry": Port("sub", bind=True, channel="telemetry", on_full="drop"),
-        "leases": Port("router", bind=True),
+        "telemetry": Port(
+            "sub", bind=True, channel="telemetry", on_full="drop", max_message_bytes=TELEMETRY_MAX_MESSAGE_BYTES
+        ),
+        "leases": Port("router", bind=True, max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
     }
     config: PromptSourceConfig
 
@@ -234,6 +244,7 @@ class PromptSource(Actor):
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
         self._unwelcomed_dropped: dict[str, int] = {}
+        self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
@@ -313,6 +324,7 @@ class PromptSource(Actor):
             dollars_spent=self.dollars_spent,
             refused=dict(self._peers.refused),
             unwelcomed_dropped=dict(self._unwelcomed_dropped),
+            credits_clamped=dict(self._credits_clamped),
         )
 
     def _inflight(self) -> int:
@@ -420,7 +432,16 @@ class PromptSource(Actor):
                     kind = type(message).__name__
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
                 elif isinstance(message, WorkRequest):
-                    self._credits[peer] = self._credits.get(peer, 0) + max(0, message.credits)
+                    # Clamped: a peer asking for 10^6 leases would get every task the window
+                    # admits, starving the other samplers until those leases expire.
+                    held = sum(1 for lease in self._leases.values() if lease.sampler == peer)
+                    allowed = max(0, self.config.max_credits_per_sampler - held)
+                    wanted = self._credits.get(peer, 0) + max(0, message.credits)
+                    if wanted > allowed:
+                        name = self._sampler_name(peer)
+                        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
+                        wanted = allowed
+                    self._credits[peer] = wanted
                     self._installed[peer] = message.installed_version
                     self._wakeup.set()
 
@@ -656,62 +677,75 @@ class PromptSource(Actor):
         return prompt, 0
 
     async def _issue(self) -> None:
-        job = self.job
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            for peer, credit in list(self._credits.items()):
-                if credit <= 0 or not self._may_lease_to(peer):
-                    continue  # parked, quarantined or too old: its credit is kept, not served
-                while credit > 0 and self._inflight() < self._max_inflight:
-                    item = self._next_prompt()
-                    if item is None:
-                        break
-                    prompt, attempt = item
-                    lease_id = next(self._lease_ids)
-                    lease = _Lease(
-                        lease_id=lease_id,
-                        prompt=prompt,
-                        attempt=attempt,
-                        sampler=peer,
-                        deadline=time.monotonic() + self.config.lease_ttl_s,
-                        record=self._lease_record(lease_id, prompt, attempt, peer),
-                    )
-                    message = TaskLease(
-                        lease_id=lease.lease_id,
-                        task_id=prompt.task_id,
-                        attempt=attempt,
-                        prompt=prompt.text,
-                        group_size=job.group_size,
-                        ttl_s=self.config.lease_ttl_s,
-                        temperature=job.temperature,
-                        top_p=job.top_p,
-                        max_new_tokens=job.max_new_tokens,
-                        min_version=self._min_version(),
-                        token=lease.record.token,
-                    )
-                    # Open before it is sent: its group may be looked up as soon as it is.
-                    self._leases[lease.lease_id] = lease
-                    if not await self._tasks_ep.send(peer, message):
-                        # The sampler is gone: put the task back, forget its credit.
-                        del self._leases[lease.lease_id]
-                        self._retry.appendleft((prompt, attempt))
-                        credit = 0
-                        break
-                    self.ctx.ledger(
-                        ledger.Leased(
-                            task=prompt.task_id,
-                            lease=lease.lease_id,
-                            attempt=attempt,
-                            sampler=self._sampler_name(peer),
-                        )
-                    )
-                    heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
-                    self.counters["leases_issued"] += 1
-                    if attempt:
-                        self.counters["leases_reissued"] += 1
-                    credit -= 1
-                self._credits[peer] = credit
+            # Round-robin, one lease per sampler per turn: the window is shared out among
+            # the samplers that have credit, so one asking for many (up to
+            # max_credits_per_sampler) cannot take every task the window admits.
+            waiting = deque(peer for peer, credit in self._credits.items() if credit > 0 and self._may_lease_to(peer))
+            while waiting and self._inflight() < self._max_inflight:
+                peer = waiting.popleft()
+                outcome = await self._lease_one(peer)
+                if outcome == "no_task":
+                    break
+                if outcome == "leased" and self._credits.get(peer, 0) > 0:
+                    waiting.append(peer)
+
+    async def _lease_one(self, peer: bytes) -> Literal["leased", "no_task", "gone"]:
+        """Issue one task to ``peer`` out of its credit (parked, quarantined or too-old
+        samplers were filtered out by the caller and keep their credit)."""
+        item = self._next_prompt()
+        if item is None:
+            return "no_task"
+        job = self.job
+        prompt, attempt = item
+        lease_id = next(self._lease_ids)
+        lease = _Lease(
+            lease_id=lease_id,
+            prompt=prompt,
+            attempt=attempt,
+            sampler=peer,
+            deadline=time.monotonic() + self.config.lease_ttl_s,
+            record=self._lease_record(lease_id, prompt, attempt, peer),
+        )
+        message = TaskLease(
+            lease_id=lease.lease_id,
+            task_id=prompt.task_id,
+            attempt=attempt,
+            prompt=prompt.text,
+            group_size=job.group_size,
+            ttl_s=self.config.lease_ttl_s,
+            temperature=job.temperature,
+            top_p=job.top_p,
+            max_new_tokens=job.max_new_tokens,
+            min_version=self._min_version(),
+            token=lease.record.token,
+        )
+        # Open before it is sent: its group may be looked up as soon as it is.
+        self._leases[lease.lease_id] = lease
+        if not await self._tasks_ep.send(peer, message):
+            # The sampler is gone: put the task back, forget its credit.
+            del self._leases[lease.lease_id]
+            self._retry.appendleft((prompt, attempt))
+            if peer in self._credits:
+                self._credits[peer] = 0
+            return "gone"
+        self.ctx.ledger(
+            ledger.Leased(
+                task=prompt.task_id,
+                lease=lease.lease_id,
+                attempt=attempt,
+                sampler=self._sampler_name(peer),
+            )
+        )
+        heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+        self.counters["leases_issued"] += 1
+        if attempt:
+            self.counters["leases_reissued"] += 1
+        if peer in self._credits:  # a Hello during the send may have reset or removed it
+            self._credits[peer] -= 1
+        return "leased"
 
 
 def _job_model_identity(spec: str) -> ModelIdentity | None:

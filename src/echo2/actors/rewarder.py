@@ -41,7 +41,14 @@ import numpy as np
 from msgspec import Meta
 
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
-from echo2.actors.admission import check_group, check_lease, trusted_prompt, trusted_prompt_codec, trusted_texts
+from echo2.actors.admission import (
+    check_group,
+    check_lease,
+    rollout_group_max_bytes,
+    trusted_prompt,
+    trusted_prompt_codec,
+    trusted_texts,
+)
 from echo2.messages import (
     AdmissionWindow,
     GroupRejected,
@@ -87,7 +94,7 @@ class Rewarder(Actor):
         self._pool = self._new_pool()
         self._stuck = 0
         self._slots = asyncio.Semaphore(self.config.max_concurrent_groups)
-        self._rollouts = ctx.open("rollouts")
+        self._rollouts = ctx.open("rollouts", max_message_bytes=rollout_group_max_bytes(self.job))
         self._scored = ctx.open("scored")
         self._leases = ctx.open("leases")
         self._query_ids = 0

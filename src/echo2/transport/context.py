@@ -97,6 +97,7 @@ class Transport:
                 producers=producers,
                 on_close=self._open.discard,
                 coalesce=options.coalesce if kind == "push" else 1,
+                recv_budget_bytes=options.recv_budget_bytes,
             )
             for topic in subscribe:
                 socket.setsockopt(zmq.SUBSCRIBE, topic)
@@ -110,6 +111,10 @@ class Transport:
                 apply_client(socket, curve)
             for url in bind:
                 endpoint.endpoints.append(_bind(socket, url))
+            if options.count_disconnects and any(not url.startswith("inproc://") for url in bind):
+                # Peers from other processes: count their disconnects (oversized frames
+                # among them; inproc has no frames to refuse and no connection to drop).
+                endpoint.monitor_disconnects()
             for url in connect:
                 if isinstance(curve, CurveClient):
                     # Pin the server per address: set before each connect, used by it.

@@ -11,6 +11,17 @@ Each endpoint owns one socket and one ``Codec``. Outcomes at the high-water mark
 per endpoint: ``on_full="block"`` waits (PUSH, DEALER, ROUTER, weights), ``on_full="drop"``
 drops and counts (telemetry). ROUTER sends to an unknown peer are counted as ``unroutable``.
 Malformed input is counted in ``decode_errors`` and dropped; the endpoint keeps running.
+So is a well-formed message whose fields contradict each other (``consistency.check``, run
+on every message received: the codec stays a plain pair of functions).
+
+Memory is bounded per socket, not per process: ``SocketOptions.max_message_bytes``
+(ZMQ_MAXMSGSIZE) makes libzmq close the connection of a peer whose frame is larger, while
+reading its size and before buffering any of it, and each peer's pipe holds at most ``hwm``
+messages; so one peer can park at most ``hwm * max_message_bytes`` bytes in a receiving
+socket. A receive drains at most ``recv_budget_bytes`` past the first message, so a
+batch handed out is bounded in bytes as well as in messages. Bound sockets with
+``count_disconnects`` (every actor's) count their peers' disconnects (``EndpointStats.disconnects``: the oversized-frame closes among them,
+libzmq does not tell those apart).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ import zmq.asyncio
 
 from echo2.errors import ClosedError, DecodeError, EndOfStream, TransportError
 from echo2.messages import AnyMessage, EndOfStreamMsg, Message
+from echo2.transport import consistency
 from echo2.transport.codec import Codec
+from echo2.transport.consistency import InconsistentMessage
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +49,14 @@ OnFull = Literal["block", "drop"]
 SocketKind = Literal["push", "pull", "dealer", "router", "pub", "sub"]
 DEFAULT_HWM = 1000
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CONTROL_MAX_MESSAGE_BYTES = 256 * 1024
+"""Channels of requests, leases and acknowledgements: the largest legitimate one (a
+``TaskLease`` with its prompt text, a ``LeaseRecords`` reply) is a few KiB."""
+TELEMETRY_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""Heartbeats: a process's actors' statistics records (~100 KiB with 256 samplers)."""
+DEFAULT_RECV_BUDGET_BYTES = 64 * 1024 * 1024
+"""Bytes one receive drains past its first message (the first is always taken)."""
+_PEER_COUNTS_MAX = 64  # peers named in per-peer counters; later ones share one entry
 # Messages drained and decoded per receive. Larger batches barely cut the per-await cost
 # further but keep more objects alive at once, which the garbage collector pays for: at
 # 1024, 64-record messages decoded ~30% slower than at 128 (benchmarks/transport.py).
@@ -68,6 +89,15 @@ class EndpointStats:
     bytes_sent: int
     bytes_received: int
     eos_received: int
+    disconnects: int = 0
+    """Peer connections closed (bound tcp/ipc sockets only): by the peer, by a heartbeat
+    timeout, or by libzmq for a frame over ``max_message_bytes``."""
+    inconsistent: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Well-formed messages whose fields contradict each other, dropped, by reason
+    (``echo2.transport.consistency``); also counted in ``decode_errors``."""
+    decode_errors_by_peer: dict[str, int] = dataclasses.field(default_factory=dict)
+    """ROUTER only: ``decode_errors`` by the peer's routing id (hex; the first 64 peers,
+    later ones under "other")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +117,12 @@ class SocketOptions:
     coalesce: int = DEFAULT_COALESCE
     """PUSH with ``on_full="block"``: up to this many small messages sent back to back (in
     one turn of the event loop) leave as one bundle (``codec.py``); 1 turns it off."""
+    recv_budget_bytes: int = DEFAULT_RECV_BUDGET_BYTES
+    """Bytes one receive drains from the socket past its first message."""
+    count_disconnects: bool = False
+    """Bound on tcp/ipc: count peers' disconnects (``EndpointStats.disconnects``) with a
+    socket monitor. A socket has one monitor: leave it off to monitor the socket yourself
+    (the actors' bound ports turn it on, ``ActorContext.open``)."""
 
 
 class Endpoint:
@@ -105,6 +141,7 @@ class Endpoint:
         producers: int = 0,
         on_close: Any = None,
         coalesce: int = 1,
+        recv_budget_bytes: int = DEFAULT_RECV_BUDGET_BYTES,
     ) -> None:
         self.name = name
         self._socket = socket
@@ -121,6 +158,12 @@ class Endpoint:
         self._sent = self._received = self._dropped = self._unroutable = 0
         self._decode_errors = self._bytes_sent = self._bytes_received = 0
         self._last_decode_log = 0.0
+        self._recv_budget_bytes = recv_budget_bytes
+        self._inconsistent: dict[str, int] = {}
+        self._decode_errors_by_peer: dict[str, int] = {}
+        self._monitor: zmq.Socket[bytes] | None = None  # sync shadow of _monitor_pair
+        self._monitor_pair: Any = None
+        self._disconnects = 0
         self.endpoints: list[str] = []
         self._user_ids: dict[bytes, str | None] | None = None
         # Private pyzmq hook (zmq/_future.py), the one its own sync paths use; should a
@@ -148,6 +191,9 @@ class Endpoint:
         if self._bundle:
             self._flush_at_close(linger_ms)
         self._closed = True
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor_pair.close(linger=0)
         self._socket.close(linger=linger_ms)
         if self._on_close is not None:
             self._on_close(self)
@@ -161,7 +207,28 @@ class Endpoint:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
+    def monitor_disconnects(self) -> None:
+        """Count peers' disconnects (``EndpointStats.disconnects``). The events queue in an
+        inproc PAIR that ``statistics()`` drains: no task, and an event queue bounded by its
+        HWM (a burst of more disconnects than that between two reads is undercounted)."""
+        if self._monitor is None:
+            # On the async socket: the sync shadow has no context to make the PAIR in.
+            pair = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor_pair = pair
+            self._monitor = zmq.Socket.shadow(pair.underlying)
+
+    def _drain_monitor(self) -> None:
+        if self._monitor is None or self._closed:
+            return
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._disconnects += 1
+
     def statistics(self) -> EndpointStats:
+        self._drain_monitor()
         return EndpointStats(
             name=self.name,
             sent=self._sent,
@@ -173,6 +240,9 @@ class Endpoint:
             bytes_sent=self._bytes_sent,
             bytes_received=self._bytes_received,
             eos_received=len(self._eos_from),
+            disconnects=self._disconnects,
+            inconsistent=dict(self._inconsistent),
+            decode_errors_by_peer=dict(self._decode_errors_by_peer),
         )
 
     def _check_open(self) -> None:
@@ -244,7 +314,9 @@ class Endpoint:
     # -- frames in -------------------------------------------------------------------
 
     async def _fill(self, max_messages: int) -> None:
-        """Wait for at least one multipart message, then drain up to ``max_messages``."""
+        """Wait for at least one multipart message, then drain up to ``max_messages`` or
+        ``recv_budget_bytes``, whichever comes first (what stays queued stays in libzmq,
+        under its per-peer HWM)."""
         self._check_open()
         if not self._pending:
             try:
@@ -260,11 +332,14 @@ class Endpoint:
             if self._user_ids is not None:
                 self._user_ids[first[0].bytes] = first[-1].get(USER_ID)
             self._pending.append(first)
-        while len(self._pending) < max_messages:
+        budget = self._recv_budget_bytes
+        while len(self._pending) < max_messages and budget > 0:
             try:
-                self._pending.append(self._recv_nowait())
+                frames = self._recv_nowait()
             except zmq.Again:
                 break
+            self._pending.append(frames)
+            budget -= _frames_nbytes(frames)
         self._rearm()
 
     def _rearm(self) -> None:
@@ -303,15 +378,24 @@ class Endpoint:
         """The authenticated identity of a ROUTER peer, or None without CURVE."""
         return None if self._user_ids is None else self._user_ids.get(peer)
 
-    def _decode(self, frames: Sequence[Any]) -> Message | list[Message] | None:
+    def _decode(self, frames: Sequence[Any], peer: bytes | None = None) -> Message | list[Message] | None:
         """Decode or count-and-drop: a message, a bundle's messages, or None. End-of-stream
-        markers are consumed here."""
+        markers are consumed here. ``peer``: a ROUTER's sender, for per-peer counts."""
         self._bytes_received += _frames_nbytes(frames)
         try:
             message = self._codec.decode_any(frames)
+            if isinstance(message, list):
+                for one in message:
+                    consistency.check(one)
+            else:
+                consistency.check(message)
         except DecodeError as exc:
             self._received += 1
             self._decode_errors += 1
+            if isinstance(exc, InconsistentMessage):
+                self._inconsistent[exc.reason] = self._inconsistent.get(exc.reason, 0) + 1
+            if peer is not None:
+                self._count_peer_error(peer)
             now = time.monotonic()
             if now - self._last_decode_log >= _DECODE_LOG_INTERVAL_S:
                 self._last_decode_log = now
@@ -328,6 +412,13 @@ class Endpoint:
             return kept or None
         self._received += 1
         return None if self._is_eos(message) else message
+
+    def _count_peer_error(self, peer: bytes) -> None:
+        counts = self._decode_errors_by_peer
+        key = peer.hex()
+        if key not in counts and len(counts) >= _PEER_COUNTS_MAX:
+            key = "other"
+        counts[key] = counts.get(key, 0) + 1
 
     def _flush_at_close(self, linger_ms: int) -> None:
         """Closing with bundled messages pending (only sending endpoints have any)."""
@@ -380,7 +471,8 @@ class _Receiving(Endpoint, Generic[Received]):
                     self._received += 1
                     self._decode_errors += 1
                     continue
-                message = self._decode(frames[skip:] if skip else frames)
+                peer = bytes(frames[0]) if self.socket_type == zmq.ROUTER else None
+                message = self._decode(frames[skip:] if skip else frames, peer)
                 if message is None:
                     continue
                 envelope = bytes(frames[0]) if skip else b""
