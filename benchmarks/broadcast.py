@@ -71,8 +71,10 @@ REGIMES = ("uncapped", "b0=bw", "b0=2bw")
 
 
 async def _subscriber(
-    name: str, control_url: str, link: LinkSpec, chunk_bytes: int, data_plane: str, shm: bool
+    name: str, control_url: str, link: LinkSpec, chunk_bytes: int, data_plane: str, shm: bool, sealed: bool = False
 ) -> None:
+    """One member process: installs every version it gets and reports it at once, until SIGTERM
+    (``sealed``: under ``[security]``; benchmarks/secure_streams.py runs these too)."""
     transport = Transport()
     control = transport.dealer(name=f"{name}.weights", connect=[control_url], identity=name.encode())
     receiver: WeightReceiver
@@ -91,6 +93,7 @@ async def _subscriber(
         on_complete=done,
         data_plane=data_plane,
         shm_dir=default_shm_dir() if shm else None,
+        sealed=sealed,
     )
     receiver.open()
     stop = asyncio.Event()
@@ -106,8 +109,11 @@ async def _subscriber(
 
 
 def subscriber_main(argv: list[str]) -> None:
-    name, url, up, down, chunk, data_plane, shm = argv
-    asyncio.run(_subscriber(name, url, LinkSpec(float(up), float(down)), int(chunk), data_plane, shm == "shm"))
+    """``NAME URL UP_MBPS DOWN_MBPS CHUNK_BYTES DATA_PLANE shm|net [sealed|plain]``."""
+    name, url, up, down, chunk, data_plane, shm, *rest = argv
+    link = LinkSpec(float(up), float(down))
+    sealed = rest == ["sealed"]
+    asyncio.run(_subscriber(name, url, link, int(chunk), data_plane, shm == "shm", sealed))
 
 
 # -- references ------------------------------------------------------------------------------

@@ -36,51 +36,19 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from echo2.messages import PolicyVersion, Snapshot
 from echo2.transport import Transport
-from echo2.weights import WeightBroadcaster, WeightReceiver
-from echo2.weights.chunks import SnapshotAssembler, digest, flatten_tensors, prefaulted_buffer
+from echo2.weights import WeightBroadcaster
+from echo2.weights.chunks import digest, flatten_tensors, prefaulted_buffer
 from echo2.weights.seal import opener_for, seal_version
 
 PLANES = ("plain", "sealed")
-
-
-# -- member process -----------------------------------------------------------------------
-
-
-async def _member(name: str, control_url: str, chunk_bytes: int, sealed: bool) -> None:
-    transport = Transport()
-    control = transport.dealer(name=f"{name}.weights", connect=[control_url], identity=name.encode())
-    receiver: WeightReceiver
-
-    def done(assembler: SnapshotAssembler) -> None:
-        asyncio.get_running_loop().create_task(receiver.report_installed(assembler.key, 0.0))
-
-    receiver = WeightReceiver(
-        transport,
-        control,
-        name=name,
-        gap_timeout_s=3.0,
-        announce_s=0.5,
-        chunk_bytes_hint=chunk_bytes,
-        on_complete=done,
-        sealed=sealed,
-    )
-    receiver.open()
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    try:
-        async with asyncio.TaskGroup() as group:
-            task = group.create_task(receiver.run())
-            await stop.wait()
-            task.cancel()
-    finally:
-        receiver.close()
-        transport.close()
+BROADCAST = Path(__file__).with_name("broadcast.py")
 
 
 # -- publisher side -------------------------------------------------------------------------
@@ -112,7 +80,20 @@ class Plane:
         )
         self.procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "--member", f"s{i}", router.endpoints[0], str(chunk_bytes), name]
+                # broadcast.py's member process: uncapped, tcp chunk streams, no shared memory
+                [
+                    sys.executable,
+                    str(BROADCAST),
+                    "--subscriber",
+                    f"s{i}",
+                    router.endpoints[0],
+                    "0",
+                    "0",
+                    str(chunk_bytes),
+                    "stream",
+                    "net",
+                    name,
+                ]
             )
             for i in range(members)
         ]
@@ -225,10 +206,6 @@ def primitives(nbytes: int, chunk_bytes: int, reps: int = 5) -> dict[str, float]
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--member":
-        name, url, chunk, plane = sys.argv[2:6]
-        asyncio.run(_member(name, url, int(chunk), plane == "sealed"))
-        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=32)
     parser.add_argument("--chunk-kb", type=int, default=1024)
