@@ -31,7 +31,7 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta
 
-from echo2.errors import ConfigError
+from echo2.errors import ConfigError, one_line
 
 DEVICE_PATTERN = r"^(cpu|mps|meta|(cuda|xpu|npu|hpu)(:[0-9]+)?)$"
 Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
@@ -62,9 +62,9 @@ def convert_config(raw: Mapping[str, Any], config_type: type[Any], path: str) ->
     try:
         return msgspec.convert(dict(raw), config_type, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_describe(" ".join(str(exc).split()), config_type, raw, path)) from None
+        raise ConfigError(_describe(one_line(exc), config_type, raw, path)) from None
     except (TypeError, ValueError) as exc:  # raised by a __post_init__ check
-        raise ConfigError(" ".join(str(exc).split()), path=path) from None
+        raise ConfigError(one_line(exc), path=path) from None
 
 
 def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], path: str, *, name: str) -> None:
@@ -94,7 +94,7 @@ def check_kwargs(factory: Callable[..., Any], kwargs: Mapping[str, Any], path: s
         try:
             msgspec.convert(value, hint, strict=True)
         except msgspec.ValidationError as exc:
-            text = _describe(" ".join(str(exc).split()), hint, value, "").removeprefix(": ")
+            text = _describe(one_line(exc), hint, value, "").removeprefix(": ")
             raise ConfigError(f"{name}: {text}", path=f"{path}.{key}") from None
         except TypeError:
             continue  # a type msgspec does not decode (Callable, os.PathLike, a class)

@@ -75,3 +75,9 @@ class ActorFailed(Echo2Error):
     def __init__(self, actor: str, exc: BaseException) -> None:
         self.actor = actor
         super().__init__(f"actor {actor!r} failed: {type(exc).__name__}: {exc}")
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message with its whitespace collapsed (its type's name when it has none):
+    the form of every error echo2 reports as one line (configs, checkpoints, datasets)."""
+    return " ".join(str(exc).split()) or type(exc).__name__

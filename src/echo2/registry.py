@@ -18,7 +18,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, Literal, TypeVar
 
-from echo2.errors import ResolveError
+from echo2.errors import ResolveError, one_line
 
 EngineKind = Literal["torch", "simulated", "hf", "vllm"]
 """``SamplerConfig.engine``: the engines ``ENGINES`` names (a test keeps the two equal)."""
@@ -75,7 +75,7 @@ def import_object(target: str) -> Any:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # user code may fail to import in any way: report it in one line
-        detail = " ".join(str(exc).split()) or type(exc).__name__
+        detail = one_line(exc)
         raise ResolveError(f"cannot import {target!r}: {type(exc).__name__}: {detail}") from exc
     return obj
 

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from echo2.errors import ConfigError
+from echo2.errors import ConfigError, one_line
 from echo2.launch import exits
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = select_processes(topology, args.host)
         notes = check_before_launch(topology, names)
     except ConfigError as exc:
-        print(f"{source}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever it quotes
+        print(f"{source}: {one_line(exc)}", file=sys.stderr)  # one line, whatever it quotes
         return exits.BAD_CONFIG
     for note in notes:
         print(f"{source}: note: {note}", file=sys.stderr)

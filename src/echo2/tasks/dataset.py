@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from echo2.errors import one_line
 from echo2.tasks.base import CorrectFn, Prompt, RewardFn, load_reward
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "hf")
@@ -79,7 +80,7 @@ def read_rows(path: Path, format: str = "", split: str = "train") -> list[dict[s
         else:
             rows = _saved_hf_dataset(path, split)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, csv.Error) as exc:
-        raise DatasetError(f"{path}: cannot read as {kind}: {' '.join(str(exc).split())}") from exc
+        raise DatasetError(f"{path}: cannot read as {kind}: {one_line(exc)}") from exc
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise DatasetError(f"{path}: rows must be objects (a JSON list holds {type(rows).__name__} items)")
     return rows
@@ -123,7 +124,7 @@ def _saved_hf_dataset(path: Path, split: str) -> list[dict[str, Any]]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
-        raise DatasetError(f"{path}: not a dataset saved with save_to_disk: {' '.join(str(exc).split())}") from exc
+        raise DatasetError(f"{path}: not a dataset saved with save_to_disk: {one_line(exc)}") from exc
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise DatasetError(f"{path}: no split {split!r} (splits: {', '.join(loaded)})")

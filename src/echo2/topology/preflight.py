@@ -37,7 +37,7 @@ from echo2.actors.prompt_source import PromptSourceConfig
 from echo2.actors.sampler import SamplerConfig
 from echo2.actors.weight_publisher import WeightPublisherConfig
 from echo2.config import check_kwargs
-from echo2.errors import ConfigError, ResolveError
+from echo2.errors import ConfigError, ResolveError, one_line
 from echo2.job import JobConfig
 from echo2.models.tokenizer import CharTokenizer
 from echo2.registry import ENGINES
@@ -190,7 +190,7 @@ def _with_path(path: str, load: Callable[..., _T], *args: Any) -> _T:
     try:
         return load(*args)
     except ConfigError as exc:
-        raise ConfigError(" ".join(str(exc).split()), path=path) from None
+        raise ConfigError(one_line(exc), path=path) from None
 
 
 __all__ = ["check_before_launch", "check_relations"]
@@ -206,7 +206,7 @@ def check_job(job: JobConfig) -> list[str]:
     except ResolveError as exc:  # a reward or predicate the task names does not import
         raise ConfigError(str(exc), path="job.task_kwargs") from None
     except Exception as exc:  # a user's task factory may fail in any way: report it in one line
-        raise ConfigError(f"task {job.task!r}: {_one_line(exc)}", path="job.task_kwargs") from None
+        raise ConfigError(f"task {job.task!r}: {one_line(exc)}", path="job.task_kwargs") from None
     return check_prompts_encode(task, job.model)
 
 
@@ -221,7 +221,7 @@ def check_prompts_encode(task: Task, model: str) -> list[str]:
         try:
             tokenizer = load_tokenizer(model)
         except (ValueError, OSError, ImportError) as exc:
-            raise ConfigError(f"cannot load the tokenizer: {_one_line(exc)}", path="job.model") from None
+            raise ConfigError(f"cannot load the tokenizer: {one_line(exc)}", path="job.model") from None
     if tokenizer is None:
         return [f"job.model: {model!r} is converted on first use; prompts not checked against its tokenizer"]
     for prompt in prompts_to_check(task):
@@ -230,11 +230,7 @@ def check_prompts_encode(task: Task, model: str) -> list[str]:
         except ValueError as exc:
             raise ConfigError(
                 f"prompt {prompt.task_id!r} of task {task.name!r} cannot be encoded for model "
-                f"{model or 'built-in tiny'!r}: {_one_line(exc)}",
+                f"{model or 'built-in tiny'!r}: {one_line(exc)}",
                 path="job.task",
             ) from None
     return []
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -49,7 +49,7 @@ from msgspec import Meta
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors import load_actor_class
 from echo2.config import Name, convert_config
-from echo2.errors import ConfigError
+from echo2.errors import ConfigError, one_line
 from echo2.job import JobConfig
 from echo2.tasks.base import check_job_task
 
@@ -240,7 +240,7 @@ def load_topology(path: str | Path, overrides: Sequence[str] = ()) -> Topology:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"invalid TOML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(f"invalid TOML: {one_line(exc)}") from None
     apply_overrides(raw, overrides)
     return validate(raw)
 

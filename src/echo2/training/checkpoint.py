@@ -35,7 +35,7 @@ import blake3
 import msgspec
 from safetensors import SafetensorError
 
-from echo2.errors import CheckpointInvalid
+from echo2.errors import CheckpointInvalid, one_line
 
 MANIFEST_FILE = "manifest.json"
 LEGACY_STATE_FILE = "state.json"
@@ -152,7 +152,7 @@ def verify_checkpoint(directory: Path) -> CheckpointState:
     try:
         manifest = _manifest_decoder.decode(manifest_path.read_bytes())
     except (OSError, msgspec.DecodeError) as exc:
-        raise CheckpointInvalid(f"{MANIFEST_FILE} unreadable: {_one_line(exc)}") from None
+        raise CheckpointInvalid(f"{MANIFEST_FILE} unreadable: {one_line(exc)}") from None
     if manifest.format != MANIFEST_FORMAT:
         raise CheckpointInvalid(f"{MANIFEST_FILE} has format {manifest.format}, this echo2 reads {MANIFEST_FORMAT}")
     for name, expected in manifest.files.items():
@@ -162,7 +162,7 @@ def verify_checkpoint(directory: Path) -> CheckpointState:
         except FileNotFoundError:
             raise CheckpointInvalid(f"{name} is missing") from None
         except OSError as exc:
-            raise CheckpointInvalid(f"{name} unreadable: {_one_line(exc)}") from None
+            raise CheckpointInvalid(f"{name} unreadable: {one_line(exc)}") from None
         if found.size != expected.size:
             raise CheckpointInvalid(f"{name} has {found.size} bytes, the manifest says {expected.size}")
         if found.blake3 != expected.blake3:
@@ -196,7 +196,7 @@ def _read_legacy(directory: Path) -> CheckpointState:
     ) as exc:
         # json raises ValueError; torch.load raises RuntimeError or EOFError on a cut file,
         # UnpicklingError on garbage.
-        raise CheckpointInvalid(f"unreadable ({type(exc).__name__}: {_one_line(exc)})") from None
+        raise CheckpointInvalid(f"unreadable ({type(exc).__name__}: {one_line(exc)})") from None
     return state
 
 
@@ -238,7 +238,3 @@ def _manifest_state(directory: Path) -> CheckpointState:
 
 def _legacy_state(directory: Path) -> CheckpointState:
     return _legacy_decoder.decode((directory / LEGACY_STATE_FILE).read_bytes())
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
