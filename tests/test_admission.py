@@ -8,8 +8,6 @@ actors on the same channels a foreign sampler would use.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
@@ -17,6 +15,7 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 import pytest
+from tests.polling import until
 from tests.test_actors import WINDOW, _group, lease_record
 
 from echo2 import ledger
@@ -246,14 +245,6 @@ class ScriptedSampler(Actor):
             held = []
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)  # polls the actors' own state, no handshake stands behind it
-
-
 async def test_hostile_sampler_is_refused_counted_quarantined_and_honest_work_goes_on(tmp_path: Path) -> None:
     tasks = 40
     job = JobConfig(group_size=2, groups_per_step=4, staleness=1, max_new_tokens=5)
@@ -278,7 +269,7 @@ async def test_hostile_sampler_is_refused_counted_quarantined_and_honest_work_go
     evil.extra = framing
     # The hostile sampler connects first and takes the first leases.
     async with Pipeline([source, *rewarders, buffer, evil, honest], run_dir=tmp_path) as pipeline:
-        await _until(lambda: buffer.counters["groups_stored"] >= tasks, 40, "every task stored once")
+        await until(lambda: buffer.counters["groups_stored"] >= tasks, 40, "every task stored once")
         stats, ps = buffer.statistics(), source.statistics()
         pipeline.request_stop()
 
@@ -333,11 +324,11 @@ async def test_a_sampler_too_old_to_be_trained_from_gets_no_leases_until_it_inst
         try:
             # The learner is at version 5, S = 1: work from versions below 4 cannot train.
             await completions.send(LearnerProgress(next_version=5, groups_trained=0, groups_dropped_after_store=0))
-            await _until(lambda: source._next_version == 5, 10, "the learner's progress")
+            await until(lambda: source._next_version == 5, 10, "the learner's progress")
             await sampler.send(Hello(peer_id="s0", role="sampler"))
             assert isinstance(await sampler.recv(), Welcome)
             await sampler.send(WorkRequest(sampler_id="s0", credits=2, incarnation=0, installed_version=3))
-            await _until(lambda: source.counters["leases_withheld_old_version"] > 0, 10, "the request to be weighed")
+            await until(lambda: source.counters["leases_withheld_old_version"] > 0, 10, "the request to be weighed")
             assert source.counters["leases_issued"] == 0
             # Installing version 4 is reported with no new credit; the credit it held is served.
             await sampler.send(WorkRequest(sampler_id="s0", credits=0, incarnation=0, installed_version=4))

@@ -11,12 +11,12 @@ counted, and the run goes on.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import numpy as np
 import pytest
 import zmq
+from tests.polling import until
 from tests.test_actors import _closed, _scored, running
 
 from echo2.actors.admission import rollout_group_max_bytes
@@ -43,14 +43,6 @@ from echo2.transport.endpoint import CONTROL_MAX_MESSAGE_BYTES
 pytestmark = pytest.mark.timeout(30)
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    """Wait for a condition the code under test makes true on its own schedule."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def work(n: int) -> WorkRequest:
     return WorkRequest(sampler_id=f"s{n}", credits=n)
 
@@ -70,7 +62,7 @@ async def test_an_oversized_frame_closes_its_sender_and_is_counted(transport: Tr
         # 8 MB announced (the flood benchmark sends 200 MB): libzmq reads the size, refuses
         # it and closes the connection without allocating it (no process holds the frame).
         hostile.send(b"\xe2\x01" + bytes(8 * 1024 * 1024))
-        await _until(lambda: rx.statistics().disconnects >= 1)
+        await until(lambda: rx.statistics().disconnects >= 1)
         await legit.send(work(1))
         assert await rx.recv() == work(1)
         assert rx.statistics().decode_errors == 0  # refused by libzmq, never decoded
@@ -241,7 +233,7 @@ async def test_credits_of_a_million_are_clamped_and_the_run_goes_on(transport: T
                 # The greedy peer asks first, for far more than the window holds, takes it
                 # whole and never answers. Before, it took the window again at every expiry.
                 await greedy.send(WorkRequest(sampler_id="greedy", credits=10**6, incarnation=0, installed_version=0))
-                await _until(lambda: source.statistics().open_leases == 8)
+                await until(lambda: source.statistics().open_leases == 8)
                 assert source.statistics().credits_clamped == {"greedy": 1}
                 await honest.send(WorkRequest(sampler_id="honest", credits=2, incarnation=0, installed_version=0))
                 # After one lease TTL the honest sampler is served its 2, in turn with the
@@ -268,7 +260,7 @@ async def test_a_batch_request_beyond_groups_per_step_is_clamped_and_the_learner
             # A request that could never be answered, then the learner's own: before, the
             # second replaced the first or the first waited for 10^6 groups until the deadline.
             await stray.send(BatchRequest(request_id=9, incarnation=0, version=0, num_groups=50_000))
-            await _until(lambda: buffer.statistics().batch_requests_clamped == {"above_groups_per_step": 1})
+            await until(lambda: buffer.statistics().batch_requests_clamped == {"above_groups_per_step": 1})
             await learner.send(BatchRequest(request_id=1, incarnation=0, version=0, num_groups=2))
             for i in range(4):
                 await scored.send(_scored(f"task-{i}", 0, lease_id=10 + i))

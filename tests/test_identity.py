@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from tests.polling import until
 from zmq.utils.monitor import parse_monitor_message
 
 from echo2.actor import Actor, PortAddresses
@@ -84,12 +85,6 @@ async def _hello(dealer: DealerEndpoint, name: str) -> Welcome:
         reply = await dealer.recv()
         if isinstance(reply, Welcome):
             return reply
-
-
-async def _until(condition) -> None:  # type: ignore[no-untyped-def]
-    """Wait for a condition on an actor's state that its own loop updates."""
-    while not condition():
-        await asyncio.sleep(0.001)
 
 
 # -- the libzmq abort ---------------------------------------------------------------------
@@ -274,7 +269,7 @@ async def test_a_live_duplicate_is_refused_and_served_nothing_while_the_honest_s
                 assert honest_id.decode() not in refused.reason  # the holder's id is not given away
             for _ in range(3):  # ... and what it keeps sending is dropped unserved
                 await other_id.send(WorkRequest(sampler_id="s0", credits=5))
-            await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 3)
+            await until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 3)
 
             await honest.send(WorkRequest(sampler_id="s0", credits=2))
             # The refusal came after a Probe to the honest connection (still up); then leases.
@@ -331,7 +326,7 @@ async def test_a_peer_that_never_said_hello_gets_no_leases(transport: Transport)
         try:
             for _ in range(4):
                 await rude.send(WorkRequest(sampler_id="s0", credits=8))
-            await _until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 4)
+            await until(lambda: source.statistics().unwelcomed_dropped.get("WorkRequest", 0) == 4)
             assert source.statistics().leases_issued == 0
         finally:
             rude.close()
@@ -353,7 +348,7 @@ async def test_the_weight_publisher_keeps_a_live_member_and_drops_a_name_thief(t
             await broadcaster.wait_members(1)
             await thief.send(WeightSubscribe(sampler_id="s0", relay_address="tcp://127.0.0.1:2"))
             await thief.send(ChunkRequest(sampler_id="s0", incarnation=0, version=0, indices=[0]))
-            await _until(lambda: broadcaster.unbound_dropped.get("ChunkRequest", 0) == 1)
+            await until(lambda: broadcaster.unbound_dropped.get("ChunkRequest", 0) == 1)
             assert broadcaster.refused_subscribers == {"name_in_use": 1}
             assert broadcaster._members["s0"].peer == honest_id
             assert broadcaster._members["s0"].address == "tcp://127.0.0.1:1"

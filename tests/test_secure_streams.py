@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from tests.polling import until
 
 from echo2.errors import TransportError
 from echo2.messages import Snapshot, WeightChunk, WeightManifest
@@ -34,12 +35,6 @@ def snapshot(version: int, nbytes: int = 24 * CHUNK + 5) -> Snapshot:
 
 def n_chunks(snap: Snapshot) -> int:
     return -(-snap.data.nbytes // CHUNK)
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 class Run:
