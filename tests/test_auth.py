@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from tests.ports import port_bases
 from zmq.utils.monitor import parse_monitor_message
 
 from echo2.messages import Hello
@@ -89,7 +90,6 @@ async def test_curve_admits_allowed_keys_and_rejects_the_rest(transport: Transpo
 def test_two_hosts_talk_over_curve_with_allow_listed_keys(tmp_path: Path) -> None:
     """Launcher level: [security] curve = true between two hosts (both on loopback)."""
     import json
-    import socket
     import subprocess
     import sys
 
@@ -98,9 +98,7 @@ def test_two_hosts_talk_over_curve_with_allow_listed_keys(tmp_path: Path) -> Non
     assert keys_main([str(keys), "a", "b"]) == 0
     (keys / "allowed").mkdir()
     (keys / "allowed" / "a.key").write_bytes((keys / "a.key").read_bytes())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port_a, port_b = port_bases(2)
     topology = tmp_path / "topology.toml"
     topology.write_text(
         f"""
@@ -113,9 +111,10 @@ curve = true
 keys_dir = "{keys}"
 [hosts.a]
 address = "127.0.0.1"
+port_base = {port_a}
 [hosts.b]
 address = "127.0.0.1"
-port_base = {port}
+port_base = {port_b}
 [processes.src]
 host = "a"
 [processes.dst]

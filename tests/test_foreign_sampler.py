@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.ports import port_bases
 
 from echo2 import ledger
 from echo2.rundir import RunDir
@@ -82,12 +82,6 @@ def example_code() -> str:
     return found.group(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_for(path_glob: Path, pattern: str, launcher: subprocess.Popen[str], timeout_s: float) -> Path:
     """The launcher writes the resolved topology before it starts a process."""
     deadline = time.monotonic() + timeout_s
@@ -105,9 +99,10 @@ def test_a_sampler_written_from_the_protocol_document_is_trained(tmp_path: Path)
     sampler_py = tmp_path / "sampler.py"
     sampler_py.write_text(example_code())
     topology = tmp_path / "topology.toml"
+    local_port, outside_port = port_bases(2)
     topology.write_text(
         TOPOLOGY.format(
-            local_port=_free_port(), outside_port=_free_port(), S=S, STEPS=STEPS, GROUPS_PER_STEP=GROUPS_PER_STEP
+            local_port=local_port, outside_port=outside_port, S=S, STEPS=STEPS, GROUPS_PER_STEP=GROUPS_PER_STEP
         )
     )
     runs = tmp_path / "runs"

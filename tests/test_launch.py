@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from tests.ports import SPAN, port_bases, ports_free
 
 from echo2.launch import main, select_processes
 from echo2.rundir import RunDir
 from echo2.topology import load_topology
+from echo2.topology.preflight import EPHEMERAL_RANGE_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "examples" / "smoke.toml"
@@ -418,10 +420,9 @@ def test_second_sigint_kills_children_that_do_not_drain(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _two_port_bases() -> dict[str, int]:
+    port_a, port_b = port_bases(2)
+    return {"port_a": port_a, "port_b": port_b}
 
 
 MULTI_HOST = """
@@ -431,9 +432,10 @@ drain_timeout_s = 5.0
 deadline_s = 60.0
 [hosts.a]
 address = "127.0.0.1"
+port_base = {port_a}
 [hosts.b]
 address = "127.0.0.1"
-port_base = {port}
+port_base = {port_b}
 [processes.src]
 host = "a"
 [processes.dst]
@@ -450,7 +452,7 @@ process = "dst"
 
 @pytest.mark.timeout(30)
 def test_two_hosts_meet_over_tcp(tmp_path: Path) -> None:
-    topology = write(tmp_path, MULTI_HOST.format(port=_free_port()))
+    topology = write(tmp_path, MULTI_HOST.format(**_two_port_bases()))
     assert select_processes(load_topology(topology), "b") == ["dst"]
     assert select_processes(load_topology(topology), None) == ["src", "dst"]  # both local
     with start(topology, "--host", "b", "--run-dir", tmp_path / "b") as sink:
@@ -461,6 +463,32 @@ def test_two_hosts_meet_over_tcp(tmp_path: Path) -> None:
     assert source.returncode == 0, out_a
     received = RunDir(the_run_dir(tmp_path / "b")).metrics("sink")[-1]
     assert received["count"] == 25
+
+
+def test_a_tcp_port_in_use_stops_the_launch_with_one_line_naming_port_base(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port_a, port_b = port_bases(2)
+    topology = write(tmp_path, MULTI_HOST.format(port_a=port_a, port_b=port_b))
+    with socket.socket() as squatter:  # another program listening on host b's first port
+        squatter.bind(("", port_b))
+        squatter.listen()
+        assert main([str(topology), "--host", "b", "--dry-run", "--run-dir", str(tmp_path)]) == 2
+        assert main([str(topology), "--host", "a", "--dry-run", "--run-dir", str(tmp_path)]) == 0  # a binds none of b's
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"{topology}: hosts.b.port_base: tcp port {port_b} (sink.in) is in use on this machine; "
+        "stop what holds it or move port_base"
+    ), err
+
+
+@pytest.mark.skipif(not EPHEMERAL_RANGE_FILE.exists(), reason="no Linux procfs: no ephemeral port range to read")
+def test_ports_in_the_ephemeral_range_get_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    low, high = (int(v) for v in EPHEMERAL_RANGE_FILE.read_text().split())
+    base = next(b for b in range(low, high - SPAN, 97) if ports_free(b, SPAN))
+    topology = write(tmp_path, MULTI_HOST.format(port_a=port_bases(1)[0], port_b=base))
+    assert main([str(topology), "--host", "b", "--dry-run", "--run-dir", str(tmp_path)]) == 0
+    assert f"note: hosts.b.port_base: tcp ports {base}-" in capsys.readouterr().err
 
 
 def test_only_the_learner_process_spins_its_openmp_threads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -492,9 +520,10 @@ groups_per_step = 2
 max_new_tokens = 5
 [hosts.a]
 address = "127.0.0.1"
+port_base = {port_a}
 [hosts.b]
 address = "127.0.0.1"
-port_base = {port}
+port_base = {port_b}
 [processes.data]
 host = "a"
 [processes.learner]
@@ -528,7 +557,7 @@ config = {{ engine = "simulated", engine_kwargs = {{ seconds_per_token = 0.001, 
 def test_a_workers_only_host_stops_when_the_run_ends_not_at_its_deadline(tmp_path: Path) -> None:
     """The learner's host finishes the run; the edge host's launcher, which holds only a
     sampler, hears RunEnded from the PromptSource and exits 0 (not 124 at ``deadline_s``)."""
-    topology = write(tmp_path, TWO_HOST_JOB.format(port=_free_port()))
+    topology = write(tmp_path, TWO_HOST_JOB.format(**_two_port_bases()))
     with start(topology, "--host", "b", "--run-dir", tmp_path / "b") as edge:
         with start(topology, "--host", "a", "--run-dir", tmp_path / "a") as learner_host:
             out_a, _ = learner_host.communicate(timeout=80)

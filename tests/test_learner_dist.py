@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.ports import port_bases
 
 from echo2.rundir import RunDir, read_jsonl
 from echo2.tools.audit import audit
@@ -201,12 +201,6 @@ process = "learner"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -219,7 +213,8 @@ def _wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untype
 def test_a_launched_run_with_a_two_rank_learner_audits_clean(tmp_path: Path) -> None:
     """Host a (data, sampler) from the launcher; host b's learner process under torchrun."""
     topology = tmp_path / "ddp.toml"
-    topology.write_text(TOPOLOGY.format(port_a=_free_port(), port_b=_free_port()))
+    port_a, port_b = port_bases(2)
+    topology.write_text(TOPOLOGY.format(port_a=port_a, port_b=port_b))
     env = dict(_env(), PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p))
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(

@@ -15,6 +15,8 @@ before any process starts, not later with a traceback inside a child:
   than one learner batch (``job.groups_per_step``): no step could ever be trained;
 * addresses (``echo2.topology.addresses``, derived once here as ``resolve`` will): a
   cross-host binder on a loopback address, tcp ports past 65535 or clashing on one machine;
+  and the tcp ports this launcher's processes bind must be free here (a note when they lie
+  in the kernel's ephemeral range, where any outgoing connection may take one);
 * for the processes this launcher starts (``processes``), what must exist on this machine:
   each sampler's engine and its ``engine_kwargs`` against the engine's signature, the model
   directory (``job.model`` or the engine's ``model_dir``), shared-memory directories, manifest signing and verification keys, and with CURVE on the
@@ -27,6 +29,8 @@ present: a GPU topology checks on a machine without one.
 
 from __future__ import annotations
 
+import errno
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -69,7 +73,8 @@ def check_before_launch(topology: Topology, processes: Sequence[str]) -> list[st
             _check_on_this_host(actor, topology.job)
     if topology.security.curve:
         _check_curve(topology, addresses, local)
-    return check_job(topology.job)
+    notes = _check_tcp_ports(topology, addresses, local)
+    return notes + check_job(topology.job)
 
 
 def check_relations(topology: Topology) -> None:
@@ -183,6 +188,54 @@ def _check_curve(topology: Topology, addresses: Addresses, local: set[str]) -> N
         telemetry = addresses.telemetry.get(process, ())
         servers = [addresses.curve_hosts.get(url, "") for url in telemetry]
         _with_path("security.keys_dir", settings.for_urls, False, telemetry, servers)
+
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _check_tcp_ports(topology: Topology, addresses: Addresses, local: set[str]) -> list[str]:
+    """The tcp ports local processes bind are free; a note per host whose ports lie in the
+    ephemeral range (an outgoing connection there can take one between this check and bind)."""
+    by_host: dict[str, list[int]] = {}
+    for (actor, port_name), port in sorted(addresses.tcp_ports.items()):
+        placed = topology.actors[actor]
+        if placed.process not in local:
+            continue
+        host = topology.processes[placed.process].host
+        by_host.setdefault(host, []).append(port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # libzmq's listener sets SO_REUSEADDR: a port in TIME_WAIT is free for it too.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("", port))
+            except OSError as exc:
+                why = (
+                    "is in use on this machine"
+                    if exc.errno == errno.EADDRINUSE
+                    else f"cannot be bound ({exc.strerror})"
+                )
+                raise ConfigError(
+                    f"tcp port {port} ({actor}.{port_name}) {why}; stop what holds it or move port_base",
+                    path=f"hosts.{host}.port_base",
+                ) from None
+    notes = []
+    ephemeral = _ephemeral_range()
+    for host, ports in sorted(by_host.items()):
+        if ephemeral and min(ports) <= ephemeral[1] and ephemeral[0] <= max(ports):
+            notes.append(
+                f"hosts.{host}.port_base: tcp ports {min(ports)}-{max(ports)} lie in this machine's ephemeral range "
+                f"{ephemeral[0]}-{ephemeral[1]} (net.ipv4.ip_local_port_range), where an outgoing connection may "
+                f"take one; a base below {ephemeral[0]} avoids that"
+            )
+    return notes
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        low, high = EPHEMERAL_RANGE_FILE.read_text().split()
+    except (OSError, ValueError):
+        return None  # not Linux, or no procfs: nothing to warn about
+    return int(low), int(high)
 
 
 def _with_path(path: str, load: Callable[..., _T], *args: Any) -> _T:

@@ -84,9 +84,10 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 
     address: str = "127.0.0.1"
     """Hostname or IP address at which processes on other hosts reach this one."""
-    port_base: Annotated[int, Meta(ge=1024, le=65535)] = 47000
+    port_base: Annotated[int, Meta(ge=1024, le=65535)] = 28100
     """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
-    ports below 1024 are for services run as root."""
+    ports below 1024 are for services run as root. The default lies below Linux's ephemeral
+    range (32768-60999), from which outgoing connections take their local ports."""
     cores: Annotated[int, Meta(ge=0)] = 0
     """Cores torch may use on this host (0: the usable cores of the machine resolving the
     topology; each host's launcher resolves for itself, so 0 is right on every host)."""
