@@ -36,6 +36,7 @@ from echo2.messages import (
 )
 from echo2.models.tokenizer import EOS_ID, CharTokenizer
 from echo2.runtime import ProcessRuntime
+from echo2.tasks.base import declares_reward_range
 from echo2.transport import Transport
 
 pytestmark = pytest.mark.timeout(30)
@@ -131,12 +132,15 @@ async def lease_records_served(
             server.cancel()
 
 
-def _scored(task_id: str, version: int, lease_id: int, reason: str = "") -> ScoredGroup:
+def _scored(
+    task_id: str, version: int, lease_id: int, reason: str = "", item_errors: dict[str, int] | None = None
+) -> ScoredGroup:
     return ScoredGroup(
         group=_group(task_id, version, lease_id),
         rewards=np.array([1.0, 0.0], dtype=np.float32),
         keep=np.array([True, True]),
         dropped_reason=reason,
+        item_errors=item_errors or {},
     )
 
 
@@ -160,8 +164,9 @@ async def test_buffer_admits_only_fresh_groups_and_accounts_for_every_one(transp
         try:
             # The learner is at version 5 with S = 2: versions 3.. are admissible.
             await learner.send(BatchRequest(request_id=1, incarnation=0, version=5, num_groups=2))
+            item_errors = [{"out_of_range": 2}, {"timeout": 1}, {}]  # the Rewarder's, per group
             for i, version in enumerate([1, 3, 5]):
-                await scored.send(_scored(f"task-{i}", version, lease_id=10 + i))
+                await scored.send(_scored(f"task-{i}", version, lease_id=10 + i, item_errors=item_errors[i]))
             await scored.send(_scored("task-2", 5, lease_id=99))  # same task again
             outcomes = {c.lease_id: (c.outcome, c.reason) for c in await _closed(completions, 4)}
             # The request and the groups travel on different sockets, so the version-1 group
@@ -174,6 +179,8 @@ async def test_buffer_admits_only_fresh_groups_and_accounts_for_every_one(transp
             assert sorted(g.group.task_id for g in batch.groups) == ["task-1", "task-2"]
             assert batch.buffer is not None
             assert batch.buffer.dropped == {"stale": 1, "duplicate": 1}
+            # Reward failures count whether their group was trained or dropped.
+            assert batch.buffer.reward_failures == {"out_of_range": 2, "timeout": 1}
 
             # Expiry is decided once: a stored lease stays stored, an open one expires and a
             # result arriving after that is rejected as late.
@@ -299,8 +306,12 @@ async def test_issuance_is_bounded_by_the_inflight_window(transport: Transport) 
 # -- Rewarder -----------------------------------------------------------------------------
 
 
+@declares_reward_range(0.0, 1.0)
 def flaky_reward(prompt, completion: str) -> float:
-    """Test reward: raises on "666" ("boom"), hangs (beyond the deadline) on "777"."""
+    """Test reward: raises on "666", hangs (beyond the deadline) on "777", returns a value
+    outside its declared range on "888"."""
+    if completion == "888":
+        return 5.0
     if completion == "666":
         raise RuntimeError("reward code crashed")
     if completion == "777":
@@ -318,7 +329,7 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
         scored = transport.pull(name="buf.scored", bind=[f"inproc://{p}/peer-scored"])
         leases = transport.router(name="ps.leases", bind=[f"inproc://{p}/peer-leases"])
         try:
-            a_group = _group("a", 0, lease_id=1, texts=("975", "666", "777", "1"))
+            a_group = _group("a", 0, lease_id=1, texts=("975", "666", "777", "1", "888"))
             b_group = _group("b", 0, lease_id=2, texts=("666", "666", "975"))
             records = {g.lease_id: lease_record(g) for g in (a_group, b_group)}
             results = {}
@@ -329,9 +340,9 @@ async def test_reward_failures_cost_the_item_not_the_actor(transport: Transport)
                     for m in await scored.recv_many():
                         results[m.group.task_id] = m
             a, b = results["a"], results["b"]
-            assert a.keep.tolist() == [True, False, False, True]
-            assert a.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
-            assert a.item_errors == {"raised:RuntimeError": 1, "timeout": 1}
+            assert a.keep.tolist() == [True, False, False, True, False]
+            assert a.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+            assert a.item_errors == {"raised:RuntimeError": 1, "timeout": 1, "out_of_range": 1}
             assert a.dropped_reason == ""
             assert b.dropped_reason == "reward_failed"  # one kept < min_kept
             assert rewarder.statistics().item_errors["timeout"] == 1

@@ -273,6 +273,10 @@ class BufferStats(Statistics, frozen=True):
     Rewarder's reasons)."""
     stored_now: int = 0
     learner_version: int = 0
+    reward_failures: dict[str, int] = {}
+    """Completions whose reward failed (kept out of training), by the Rewarder's reason
+    (``raised:<Type>``, ``timeout``, ``not_a_number``, ``not_finite``, ``out_of_range``),
+    from every scored group, trained or dropped."""
     rejected: dict[RejectReason, int] = {}
     """Groups refused at admission, by reason (never scored, never trained)."""
     rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}

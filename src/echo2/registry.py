@@ -132,6 +132,8 @@ REWARDS: Registry[str] = Registry(
         # binary (0 or 1), so a task may use one as its correctness predicate too
         "exact": "echo2.tasks.base:exact_match",
         "math_answer": "echo2.tasks.math_answer:math_reward",
+        "math_verify": "echo2.tasks.math_verify:math_verify_reward",
+        "code_tests": "echo2.tasks.code_execution:code_tests_reward",
     },
     path_form="package.module:function",
 )

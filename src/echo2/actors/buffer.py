@@ -103,6 +103,7 @@ class Buffer(Actor):
             "batches_served": 0,
         }
         self.dropped: dict[str, int] = {}
+        self.reward_failures: dict[str, int] = {}  # completions, by the Rewarder's reason
         self.rejected: dict[RejectReason, int] = {}
         self.rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
         self.delivered_by_sampler: dict[str, int] = {}  # rollouts stored, per sampler
@@ -145,6 +146,7 @@ class Buffer(Actor):
             "resumed_from": self._resumed_from,
             "counters": self.counters,
             "dropped": self.dropped,
+            "reward_failures": self.reward_failures,
             "rejected": self.rejected,
             "rejected_by_sampler": self.rejected_by_sampler,
             "store": [self._encode_group(g) for g in self._store],
@@ -169,6 +171,7 @@ class Buffer(Actor):
         self._resumed_from = state["resumed_from"]
         self.counters.update(state["counters"])
         self.dropped.update(state["dropped"])
+        self.reward_failures.update(state.get("reward_failures", {}))  # (absent in earlier states)
         self.rejected.update(state.get("rejected", {}))  # (absent in states of earlier versions)
         self.rejected_by_sampler.update(state.get("rejected_by_sampler", {}))
         decode = self._codec.decode
@@ -203,6 +206,7 @@ class Buffer(Actor):
         return BufferStats(
             **self.counters,
             dropped=dict(self.dropped),
+            reward_failures=dict(self.reward_failures),
             stored_now=len(self._store),
             learner_version=self._learner_version,
             rejected=dict(self.rejected),
@@ -283,6 +287,8 @@ class Buffer(Actor):
 
     async def _accept(self, scored: ScoredGroup) -> None:
         g = scored.group
+        for reason, n in scored.item_errors.items():
+            self.reward_failures[reason] = self.reward_failures.get(reason, 0) + n
         if g.lease_id in self._expired_leases:
             self._drop("late")
             await self._close(scored, "late")

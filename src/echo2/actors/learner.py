@@ -441,6 +441,9 @@ class Learner(Actor):
             **self._eval_summary(),
             **self.account.summary(),
             "drops_by_reason": dict(self.buffer_stats.dropped) if self.buffer_stats is not None else {},
+            "reward_failures_by_reason": (
+                dict(self.buffer_stats.reward_failures) if self.buffer_stats is not None else {}
+            ),
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
             "steps_per_s": round(self.version / wall_s, 3) if wall_s > 0 else 0.0,
             "rollouts_per_s": round(self.rollouts_trained / wall_s, 1) if wall_s > 0 else 0.0,

@@ -2,8 +2,11 @@
 
 Role: the trusted side of scoring. Reward code is user code: it may raise or hang. Each
 completion is scored in a worker thread with a deadline (``item_timeout_s``); a completion
-whose reward raised, timed out or returned a non-finite number is kept out of training
-(``keep[i] = False``) and counted by reason, and the group goes on. A group with fewer than
+whose reward raised, timed out, returned a non-finite number or one outside the task's
+declared ``reward_range`` is kept out of training (``keep[i] = False``) and counted by
+reason (``raised:<Type>``, ``timeout``, ``not_a_number``, ``not_finite``, ``out_of_range``),
+never scored as 0; the Buffer totals the reasons (``BufferStats.reward_failures``) and the
+learner's ``summary.json`` reports them (``reward_failures_by_reason``). A group with fewer than
 ``min_kept`` scored completions is forwarded as dropped so that the Buffer, the single
 accountant, closes its lease.
 
@@ -59,7 +62,7 @@ from echo2.messages import (
     RolloutGroup,
     ScoredGroup,
 )
-from echo2.tasks.base import Prompt, load_job_task
+from echo2.tasks.base import Prompt, load_job_task, reward_range
 
 
 class RewarderConfig(ActorConfig, frozen=True):
@@ -90,6 +93,7 @@ class Rewarder(Actor):
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
         self._task = load_job_task(self.job)
+        self._bounds = reward_range(self._task)
         self._codec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._pool = self._new_pool()
         self._stuck = 0
@@ -229,12 +233,12 @@ class Rewarder(Actor):
             return list(await asyncio.gather(*(self._score_one(prompt, text) for text in texts)))
 
     def _score_in_thread(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
-        return [_checked(self._task.reward, prompt, text) for text in texts]
+        return [_checked(self._task.reward, prompt, text, self._bounds) for text in texts]
 
     async def _score_one(self, prompt: Prompt, completion: str) -> tuple[float, str]:
         """Returns (reward, "") or (0.0, reason)."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, _checked, self._task.reward, prompt, completion)
+        future = loop.run_in_executor(self._pool, _checked, self._task.reward, prompt, completion, self._bounds)
         try:
             async with asyncio.timeout(self.config.item_timeout_s):
                 return await future
@@ -251,8 +255,9 @@ class Rewarder(Actor):
             self._pool = self._new_pool()
 
 
-def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:
-    """(reward, "") or (0.0, reason): user reward code may raise or return garbage."""
+def _checked(reward_fn, prompt: Prompt, completion: str, bounds: tuple[float, float] | None) -> tuple[float, str]:
+    """(reward, "") or (0.0, reason): user reward code may raise or return garbage, or a
+    value outside the range its task declares (``bounds``)."""
     try:
         reward = reward_fn(prompt, completion)
     except Exception as exc:  # user code: any failure costs this item only
@@ -263,4 +268,6 @@ def _checked(reward_fn, prompt: Prompt, completion: str) -> tuple[float, str]:
         return 0.0, "not_a_number"
     if not math.isfinite(value):
         return 0.0, "not_finite"
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        return 0.0, "out_of_range"
     return value, ""

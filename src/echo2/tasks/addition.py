@@ -38,6 +38,8 @@ def reversed_sum(a: int, b: int) -> str:
 class AdditionTask:
     """Reversed-answer addition of two ``digits``-digit numbers; reward 1 for exact match."""
 
+    reward_range = (0.0, 1.0)
+
     def __init__(self, digits: Annotated[int, Meta(ge=1, le=9)] = 3) -> None:
         # The annotation is checked at topology load; this, for callers in Python.
         if not isinstance(digits, int) or not 1 <= digits <= 9:

@@ -15,6 +15,13 @@ Optional members a task may add (each has a fallback, see the functions named):
   (:func:`prompt_stream`; otherwise the first ``k`` are generated and thrown away).
 - ``every_prompt()``: every prompt a finite task holds (a dataset), which the launcher
   encodes with the model's tokenizer before anything starts (:func:`prompts_to_check`).
+- ``reward_range = (low, high)``: the values its reward can take (:func:`reward_range`); the
+  Rewarder counts any other value as ``out_of_range`` and keeps it out of training instead
+  of training on a bug. Reward functions declare it with :func:`declares_reward_range`.
+
+A reward function may also have ``check()``, called once when the reward is loaded
+(:func:`load_reward`), which raises when this machine cannot run it (the code-execution
+reward without a sandbox): the launch fails before any process starts.
 
 Held-out prompts must be disjoint from training prompts *by construction* (a deterministic
 rule both sides apply), so an evaluation never measures memorisation.
@@ -26,7 +33,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 
 RewardFn = Callable[["Prompt", str], float]
 CorrectFn = Callable[["Prompt", str], bool]
+_F = TypeVar("_F")
 
 
 @dataclass(frozen=True)
@@ -101,9 +109,37 @@ def load_reward(spec: str) -> RewardFn:
     Raises ``ResolveError`` (a ValueError) naming ``spec``.
     """
     fn: RewardFn = REWARDS.resolve(spec, callable, "a function")
+    check = getattr(fn, "check", None)
+    if callable(check):
+        try:
+            check()
+        except Exception as exc:  # user code: any failure means the reward cannot run here
+            raise ResolveError(f"reward {spec!r} cannot run on this machine: {exc}") from exc
     return fn
 
 
+def declares_reward_range(low: float, high: float) -> Callable[[_F], _F]:
+    """Decorator: the reward's values lie in ``[low, high]`` (see :func:`reward_range`)."""
+    if not low <= high:
+        raise ValueError(f"reward range needs low <= high, got ({low}, {high})")
+
+    def declare(reward_fn: _F) -> _F:
+        reward_fn.reward_range = (float(low), float(high))  # type: ignore[attr-defined]
+        return reward_fn
+
+    return declare
+
+
+def reward_range(obj: object) -> tuple[float, float] | None:
+    """The ``(low, high)`` a task or reward function declares (``reward_range``), or None."""
+    declared = getattr(obj, "reward_range", None)
+    if declared is None:
+        return None
+    low, high = (float(v) for v in declared)
+    return low, high
+
+
+@declares_reward_range(0.0, 1.0)
 def exact_match(prompt: Prompt, completion: str) -> float:
     """1.0 iff ``completion`` equals ``prompt.answer``, surrounding whitespace ignored (``reward = "exact"``)."""
     return 1.0 if completion.strip() == prompt.answer.strip() else 0.0
@@ -152,6 +188,7 @@ class _RewardOverride:
         self._base = base
         self._reward_fn = reward_fn
         self.name = base.name
+        self.reward_range = reward_range(reward_fn)
         if (correct := correctness(base)) is not None:
             self.correct = correct
         if callable(every := getattr(base, "every_prompt", None)):

@@ -27,8 +27,8 @@ ends after ``epochs`` epochs. ``prompts(seed, start=k)`` starts at the ``k``-th 
 arithmetic (epoch ``k // n``, offset ``k % n``), so a resumed PromptSource continues the
 epoch where it stopped without replaying it.
 
-Reward and metric: ``reward`` names the training reward (``"exact"``, ``"math_answer"`` or
-``"module:function"``); ``correct`` names the correctness predicate that held-out pass@1
+Reward and metric: ``reward`` names the training reward (``"exact"``, ``"math_answer"``,
+``"math_verify"``, ``"code_tests"`` or ``"module:function"``); ``correct`` names the correctness predicate that held-out pass@1
 counts. By default it is the reward itself when that is a built-in binary one; with a custom
 reward there is no predicate (pass@1 is not reported) unless ``correct`` names one.
 """
@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from echo2.errors import one_line
-from echo2.tasks.base import CorrectFn, Prompt, RewardFn, load_reward
+from echo2.tasks.base import CorrectFn, Prompt, RewardFn, load_reward, reward_range
 
 FORMATS = ("jsonl", "json", "csv", "parquet", "hf")
 """``format``: how to read ``path`` ("" = from its suffix; a directory is "hf")."""
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-_BINARY_REWARDS = ("exact", "math_answer")
+_BINARY_REWARDS = ("exact", "math_answer", "math_verify", "code_tests")
 """Built-in rewards that are 0 or 1, so 1 means correct."""
 
 
@@ -170,6 +170,7 @@ class DatasetTask:
         self.prompt_field, self.answer_field, self.id_field = prompt_field, answer_field, id_field
         self.meta_fields = None if meta_fields is None else list(meta_fields)
         self._reward: RewardFn = load_reward(reward)
+        self.reward_range = reward_range(self._reward)
         predicate = load_reward(correct) if correct else self._reward if reward in _BINARY_REWARDS else None
         if predicate is not None:
             # An attribute, not a method: a task without a predicate must not have ``correct``.

@@ -28,7 +28,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from echo2.tasks.base import Prompt
+from echo2.tasks.base import Prompt, declares_reward_range
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\$?\.\d+")
 _ANSWER_IS = re.compile(r"(?:answer\s*(?:is|:|=)|####)\s*(.+)", re.IGNORECASE)
@@ -97,6 +97,7 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     return norm(predicted) == norm(reference)
 
 
+@declares_reward_range(0.0, 1.0)
 def math_reward(prompt: Prompt, completion: str) -> float:
     """1.0 if the completion's final answer equals ``prompt.answer`` (numerically), else 0.0."""
     return 1.0 if answers_match(extract_answer(completion), prompt.answer) else 0.0
@@ -111,6 +112,8 @@ class MathWordTask:
 
     ``instruction`` is appended to each prompt (a chat model is told how to answer).
     """
+
+    reward_range = (0.0, 1.0)
 
     def __init__(
         self, max_value: Annotated[int, Meta(ge=5)] = 50, instruction: str = "Give the final answer as \\boxed{N}."
