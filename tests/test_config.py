@@ -56,7 +56,11 @@ IMPORT_PATH_TYPOS = [
     ("job.task", '"echo2.tasks.addition:AdditionTsk"', "cannot import 'echo2.tasks.addition:AdditionTsk': "),
     ("job.task", '"echo2.tasks.addition:hashlib"', "'echo2.tasks.addition:hashlib' is not a class or function"),
     ("job.task_kwargs", "{ digts = 3 }", "'addition': got an unexpected keyword argument 'digts'"),
-    ("job.reward", "exakt", "unknown reward 'exakt' (known: exact, math_answer; or 'package.module:function')"),
+    (
+        "job.reward",
+        "exakt",
+        "unknown reward 'exakt' (known: code_tests, exact, math_answer, math_verify; or 'package.module:function')",
+    ),
     ("job.reward", '"echo2.tasks.math_answer:nope"', "cannot import 'echo2.tasks.math_answer:nope': AttributeError"),
 ]
 

@@ -133,8 +133,10 @@ def test_install_weights_bf16_wire_and_atomicity(llama_dir: Path, tmp_path: Path
 
 
 def test_chat_template(tmp_path: Path) -> None:
+    from echo2.job import PromptFormat
+
     policy = load_policy(str(make_tiny_llama(tmp_path / "chat", chat=True)))
-    plain = load_policy(str(tmp_path / "chat"), chat_template=False)
+    plain = load_policy(str(tmp_path / "chat"), prompt_format=PromptFormat(chat_template="off"))
     assert policy.tokenizer.encode_prompt("1+2")[-1] == plain.tokenizer.encode_prompt("=")[-1]
     assert len(policy.tokenizer.encode_prompt("1+2")) > len(plain.tokenizer.encode_prompt("1+2"))
 

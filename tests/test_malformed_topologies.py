@@ -209,6 +209,24 @@ CASES = [
         "unexpected keyword argument 'devcie'",
     ),
     (
+        "engine-own-chat-template",
+        sampler('engine = "torch", engine_kwargs = { chat_template = false }'),
+        "actors.sampler.config.engine_kwargs.chat_template",
+        "prompts are rendered as job.prompt_format says",
+    ),
+    (
+        "prompt-format-typo",
+        job('prompt_format = { chat_templat = "off" }'),
+        "job.prompt_format.chat_templat",
+        "unknown field (allowed: chat_template, system_prompt, thinking)",
+    ),
+    (
+        "prompt-format-tiny-system-prompt",
+        job('prompt_format = { system_prompt = "be brief" }'),
+        "job.prompt_format",
+        "the tiny model has no chat template",
+    ),
+    (
         "engine-device-typo",
         sampler('engine = "torch", engine_kwargs = { device = "gpu" }'),
         "actors.sampler.config.engine_kwargs.device",

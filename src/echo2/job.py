@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+Switch = Literal["auto", "on", "off"]
+
+
+class PromptFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """``[job.prompt_format]``: how a prompt's text becomes the token ids a model sees.
+
+    One setting for every process: the trusted side tokenizes each prompt itself and
+    refuses a group whose prompt ids differ (``prompt_mismatch``), so an engine cannot render
+    prompts its own way. Applies to Hugging Face models; the built-in tiny model has no chat
+    template, so anything but the defaults is refused for it.
+    """
+
+    chat_template: Switch = "auto"
+    """"auto": the tokenizer's chat template when it has one; "on": require one; "off":
+    the plain text (with the tokenizer's BOS handling)."""
+    system_prompt: str = ""
+    """A system message before each prompt (needs a chat template)."""
+    thinking: Switch = "auto"
+    """"on"/"off": the template's ``enable_thinking`` switch (Qwen3-style reasoning
+    templates); "auto": the template's default. Refused for a template without the switch."""
 
 
 class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -35,3 +56,5 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     or tiny-model checkpoint). See ``echo2.models.policy``."""
     seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the prompt stream and, mixed with each sampler's name, of its engine."""
+    prompt_format: PromptFormat = PromptFormat()
+    """How prompts are rendered into token ids (chat template, system prompt, thinking)."""

@@ -33,12 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from echo2.job import JobConfig
 from echo2.messages import AdmissionWindow, LeaseRecord, RejectReason, RolloutGroup
+from echo2.models.location import CONFIG_FILE, load_prompt_tokenizer, locate_model
 from echo2.tasks.base import Prompt
 
 LOGPROB_TOLERANCE = 1e-3
@@ -76,31 +76,18 @@ class PromptCodec:
 def trusted_prompt_codec(job: JobConfig) -> PromptCodec:
     """The job's prompt tokenization and vocabulary, from the model's files (no weights loaded).
 
-    The built-in tiny model uses the character tokenizer; a Hugging Face model directory
-    its tokenizer (with its chat template, as the engines do by default). ``vocab_size`` is
-    the model config's (the logits' width: an id at or past it would index past the
-    embedding), read from ``config.json``.
+    The tokenizer renders prompts as ``job.prompt_format`` says, the one setting every
+    engine renders them by too. ``vocab_size`` is the model config's (the logits' width: an
+    id at or past it would index past the embedding), read from ``config.json``.
     """
-    from echo2.models import CharTokenizer, default_checkpoint_dir
+    location = locate_model(job.model)
+    if not location.present:
+        from echo2.models.policy import present_model
 
-    if not job.model:
-        directory = default_checkpoint_dir()
-    elif job.model.lower() == "smollm2":
-        from echo2.models import hf as hf_models
-
-        directory = hf_models.smollm2_dir()
-    else:
-        directory = Path(job.model).expanduser()
-    config = json.loads((directory / "config.json").read_text())
+        location = present_model(job.model)
+    tokenizer = load_prompt_tokenizer(location, job.prompt_format)
+    config = json.loads((location.directory / CONFIG_FILE).read_text())
     vocab_size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
-    if "model_type" not in config:  # a tiny-model checkpoint
-        chars = CharTokenizer()
-        return PromptCodec(chars.encode_prompt, chars.decode, vocab_size)
-    from transformers import AutoTokenizer
-
-    from echo2.models.policy import HFTokenizer
-
-    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(directory)))
     return PromptCodec(tokenizer.encode_prompt, tokenizer.decode, vocab_size or tokenizer.vocab_size)
 
 

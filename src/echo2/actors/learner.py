@@ -527,7 +527,7 @@ def build_trainer(job: JobConfig, config: LearnerConfig) -> Trainer:
     from echo2.training.trainer import make_trainer
 
     # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
-    policy = load_policy(job.model, dtype=config.model_dtype, device=config.device)
+    policy = load_policy(job.model, dtype=config.model_dtype, device=config.device, prompt_format=job.prompt_format)
     return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s)
 
 

@@ -68,6 +68,7 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
+from echo2.job import JobConfig
 from echo2.messages import (
     HEARTBEAT_TOPIC,
     INSTALLED_TOPIC,
@@ -257,7 +258,7 @@ class PromptSource(Actor):
         self._peers = PeerTable(
             self._tasks_ep, server_id=self.name, retry_after_s=SocketOptions().heartbeat_timeout_ms / 1000
         )
-        self._model = await asyncio.to_thread(_job_model_identity, self.job.model)
+        self._model = await asyncio.to_thread(_job_model_identity, self.job)
         if self._model is None:
             ctx.log.warning("the job's model %r cannot be read here: samplers' models are not checked", self.job.model)
         self._completions = ctx.open("completions")
@@ -748,7 +749,7 @@ class PromptSource(Actor):
         return "leased"
 
 
-def _job_model_identity(spec: str) -> ModelIdentity | None:
+def _job_model_identity(job: JobConfig) -> ModelIdentity | None:
     """What every sampler must serve: the identity of the job's model (None when the model
     cannot be read here, e.g. a Hugging Face model without the ``hf`` extra: not checked)."""
     try:
@@ -756,6 +757,6 @@ def _job_model_identity(spec: str) -> ModelIdentity | None:
     except ImportError:
         return None
     try:
-        return model_identity(spec)
+        return model_identity(job.model, job.prompt_format)
     except (ImportError, OSError, ValueError):
         return None

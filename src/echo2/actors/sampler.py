@@ -59,6 +59,7 @@ from echo2.messages import (
     Welcome,
     WorkRequest,
 )
+from echo2.models.location import is_hf_spec
 from echo2.registry import EngineKind
 from echo2.transport.peers import connection_routing_id
 from echo2.weights import WeightReceiver
@@ -139,13 +140,12 @@ class Sampler(Actor):
         await super().setup(ctx)
         kwargs = dict(self.config.engine_kwargs)
         kind = self.config.engine
-        if kind == "torch" and self.job.model:
-            from echo2.models.policy import is_hf_spec
-
-            if is_hf_spec(self.job.model):
-                kind = "hf"  # the torch engine for Hugging Face models
+        if kind == "torch" and is_hf_spec(self.job.model):
+            kind = "hf"  # the torch engine for Hugging Face models
         if kind in ("torch", "hf", "vllm"):
             kwargs.setdefault("seed", _seed_from_name(self.job.seed, self.name))
+            if kind != "torch":  # the tiny model renders plain text only
+                kwargs["prompt_format"] = self.job.prompt_format
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
         self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)

@@ -35,6 +35,7 @@ from echo2.engines.base import (
     check_generate_args,
 )
 from echo2.engines.torch_engine import sample_next
+from echo2.job import PromptFormat
 from echo2.messages import ModelIdentity
 from echo2.models.policy import Policy, load_policy
 
@@ -153,7 +154,8 @@ class HFTorchEngine(Engine):
             it; the learner's evaluation engine). Mutually exclusive with ``model_dir``.
         seed, device, version: as for ``TorchEngine``.
         dtype: "float32" | "bfloat16" | "float16" (for ``model_dir``).
-        chat_template: None = use the tokenizer's template when it has one.
+        prompt_format: how prompts become ids (``JobConfig.prompt_format``; the Sampler
+            passes the job's, which the trusted side renders by too).
     """
 
     def __init__(
@@ -165,12 +167,12 @@ class HFTorchEngine(Engine):
         device: str = "cpu",
         dtype: str = "float32",
         version: int = 0,
-        chat_template: bool | None = None,
+        prompt_format: PromptFormat | None = None,
     ) -> None:
         if (policy is None) == (model_dir is None):
             raise ValueError("pass exactly one of model_dir or policy")
         if policy is None:
-            policy = load_policy(str(model_dir), dtype=dtype, device=device, chat_template=chat_template)
+            policy = load_policy(str(model_dir), dtype=dtype, device=device, prompt_format=prompt_format)
         if policy.kind != "hf":
             raise ValueError(f"HFTorchEngine needs a Hugging Face model, got a {policy.kind} model")
         self.policy = policy

