@@ -129,6 +129,23 @@ async def test_a_sealed_relay_installs_the_plaintext_and_relays_ciphertext_unope
     assert all(s["stream_refused"] == s["stream_refused_handshake"] == 0 for s in stats.values())
 
 
+async def test_a_member_joining_after_the_publish_is_admitted_and_installs_the_sealed_version() -> None:
+    """A late joiner gets the latest version by repair from the publisher; its sealed inbox
+    admits that stream only with the plan's secret, so the plan must reach it too (without
+    it, a remote sampler that started after the learner's first publish never installed)."""
+    async with sealed_run(mode="relay") as run:
+        run.add("early")
+        await run.broadcaster.wait_members(1)
+        snap = snapshot(1)
+        run.broadcaster.publish_nowait(snap)
+        await run.wait_version(["early"], 1)
+        run.add("late")
+        await run.wait_version(["late"], 1)
+        stats = run.receivers["late"].statistics()
+    assert np.array_equal(run.complete["late"][-1].plaintext, snap.data)
+    assert stats["stream_admitted"] >= 1 and stats["stream_refused"] == 0
+
+
 async def test_shared_memory_on_the_publishers_host_holds_ciphertext_and_members_open_it(tmp_path: Path) -> None:
     async with sealed_run(mode="relay", shm_dir=str(tmp_path)) as run:
         run.add("local", shm_dir=str(tmp_path))

@@ -101,3 +101,36 @@ def test_the_example_trains_across_hosts_and_every_launcher_exits(multihost_run:
 def test_every_launcher_exits_by_itself_within_10_s_of_the_learner(multihost_run: JobResult) -> None:
     late = {h: t for h, t in multihost_run.exit_after_learner_s.items() if t is None or t > 10.0}
     assert not late, f"launchers still running 10 s after the learner's exited: {late}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_curve_across_hosts_trains_allowed_keys_and_refuses_an_unlisted_one(tmp_path: Path) -> None:
+    """``[security] curve = true`` across namespaces: hosts whose keys are allowed train
+    (weights sealed, every cross-host socket CURVE), and a host whose key is not on the
+    allow-list is refused at the handshake: its sampler delivers nothing, the run goes on."""
+    from echo2.tools.keys import main as make_keys
+
+    keys = tmp_path / "keys"
+    assert make_keys([str(keys), "learner", "edge-a", "edge-b"]) == 0
+    (keys / "allowed").mkdir()
+    for host in ("learner", "edge-a"):  # edge-b's public key is never handed to the owner
+        (keys / "allowed" / f"{host}.key").write_bytes((keys / f"{host}.key").read_bytes())
+    hosts = bed_hosts(TOPOLOGY, LinkShape(rate_mbit=100, delay_ms=10), ["learner", "edge-a", "edge-b"])
+    overrides = [
+        *job_overrides(30.0),
+        "actors.learner.config.max_steps=12",
+        "security.curve=true",
+        f'security.keys_dir="{keys}"',
+    ]
+    with Bed(hosts, prefix=PREFIX) as bed:
+        run = run_job(
+            bed, TOPOLOGY, tmp_path / "job", learner_host="learner", overrides=overrides,
+            exit_grace_s=5.0, timeout_s=200.0,
+        )  # fmt: skip
+    assert run.exit_codes["learner"] == 0, run.run_dirs["learner"]
+    assert run.summary["steps"] == 12
+    delivered = {e["sampler"] for e in run.accepted}
+    assert "sampler-a" in delivered and max(run.installs.get("sampler-a", [-1])) > 0
+    assert "sampler-b" not in delivered, "a host with an unlisted key delivered work"
+    assert run.audit["exit_code"] == 0, run.audit

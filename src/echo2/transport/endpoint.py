@@ -75,6 +75,18 @@ COALESCE_MAX_BYTES = 64 * 1024
 USER_ID = b"User-Id"
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The CURVE key (z85) a message's connection authenticated with; None for one without
+    a handshake: an ``inproc`` peer, in this process (libzmq then has no such property and
+    ``get`` raises EINVAL, which crashed a CURVE server with a co-located peer)."""
+    try:
+        return frame.get(USER_ID)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EINVAL:
+            raise
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class EndpointStats:
     """A snapshot of one endpoint's counters."""
@@ -319,18 +331,9 @@ class Endpoint:
         under its per-peer HWM)."""
         self._check_open()
         if not self._pending:
-            try:
-                first = await self._socket.recv_multipart(copy=False)
-            except asyncio.CancelledError:
-                if self._woken_by_close():
-                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from None
-                raise
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
-                raise TransportError(f"{self.name}: recv failed: {exc}") from exc
+            first = await self._await_first()
             if self._user_ids is not None:
-                self._user_ids[first[0].bytes] = first[-1].get(USER_ID)
+                self._user_ids[first[0].bytes] = _user_id(first[-1])
             self._pending.append(first)
         budget = self._recv_budget_bytes
         while len(self._pending) < max_messages and budget > 0:
@@ -341,6 +344,24 @@ class Endpoint:
             self._pending.append(frames)
             budget -= _frames_nbytes(frames)
         self._rearm()
+
+    async def _await_first(self) -> list[Any]:
+        while True:
+            try:
+                return await self._socket.recv_multipart(copy=False)
+            except asyncio.CancelledError:
+                if self._woken_by_close():
+                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from None
+                raise
+            except zmq.Again:
+                # The socket signalled readable but held no message: seen once on a CURVE
+                # server across hosts while its ZAP handler refused a client of unknown
+                # key; it crashed the Rewarder. Nothing was lost: wait again.
+                self._check_open()
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    raise ClosedError(f"endpoint {self.name!r} closed during recv") from exc
+                raise TransportError(f"{self.name}: recv failed: {exc}") from exc
 
     def _rearm(self) -> None:
         """Let pending awaits on the async socket see events the shadow socket consumed.
@@ -367,7 +388,7 @@ class Endpoint:
             frame = recv(zmq.NOBLOCK, copy=False)
             frames.append(frame.bytes if len(frames) < copied else frame)
         if self._user_ids is not None:
-            self._user_ids[frames[0]] = frame.get(USER_ID)
+            self._user_ids[frames[0]] = _user_id(frame)
         return frames
 
     def track_user_ids(self) -> None:

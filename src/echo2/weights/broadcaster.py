@@ -169,6 +169,7 @@ class WeightBroadcaster:
         self._repairs: asyncio.Queue[tuple[bytes, ChunkRequest]] = asyncio.Queue()
         self._queued_repairs = OutstandingRepairs()  # a request repeated before it is served adds nothing
         self._stream_secret = b""  # the latest plan's: repair streams prove it too
+        self._latest_plan: RelayPlan | None = None  # sent to late joiners with the manifest
         self._pushes: dict[str, ChunkSender] = {}
         # Who holds each sampler name on the control channel; a contested name is retried
         # by the subscription lease itself, so the retry hint is unused here.
@@ -327,6 +328,11 @@ class WeightBroadcaster:
             if self._is_local(member):
                 await self._send_local(member, latest)
             else:
+                # The plan first: it names the publisher and carries the stream secret, without
+                # which a sealed member's inbox refuses the repair stream that will fill it.
+                plan = self._latest_plan
+                if plan is not None and plan.policy_version == latest.key:
+                    await self._send(peer, plan)
                 await self._send(peer, latest.manifest)
 
     def _on_installed(self, message: WeightsInstalled) -> None:
@@ -464,6 +470,7 @@ class WeightBroadcaster:
             stream_secret=os.urandom(32) if self.sealed else b"",
         )
         self._stream_secret = plan.stream_secret
+        self._latest_plan = plan
         for name in remote:
             member = self._members[name]
             member.manifest_sent_s = version.published_s
