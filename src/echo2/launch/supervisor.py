@@ -60,6 +60,9 @@ import msgspec
 
 from echo2.errors import ConfigError, one_line
 from echo2.launch import exits
+from echo2.observe.health import ProcessWatch, health_routes
+from echo2.observe.http import ServeError, serve
+from echo2.observe.metrics import exposition, launcher_families
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
@@ -373,7 +376,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         handled = self._install_signal_handlers(loop)
         try:
-            async with asyncio.TaskGroup() as group:
+            async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as servers:
+                watchers = await self._serve_health(group, servers)
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
@@ -387,7 +391,7 @@ class Launcher:
                     self._handle(kind, payload)
                 # Output ends when the pipes close; a grandchild holding one must not hang us.
                 _, pending = await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
-                for task in pending:
+                for task in [*pending, *watchers]:
                     task.cancel()
         finally:
             for timer in self._timers:
@@ -401,6 +405,45 @@ class Launcher:
                 self._close_log(child)
             self._finish()
         return self.status
+
+    # -- health ----------------------------------------------------------------------
+    #
+    # A process cannot say it is stopped or stuck: the launcher of its host probes it and
+    # serves the host's /health and /metrics ([hosts.NAME] metrics_port; echo2.observe.health).
+
+    async def _serve_health(
+        self, group: asyncio.TaskGroup, servers: contextlib.AsyncExitStack
+    ) -> list[asyncio.Task[None]]:
+        watchers: list[asyncio.Task[None]] = []
+        hosts = sorted({self.resolved.processes[name].host for name in self.names})
+        for host in hosts:
+            port = self.resolved.hosts[host].metrics_port
+            if not port:
+                continue
+            watch = ProcessWatch(
+                {
+                    n: self.resolved.processes[n].metrics_port
+                    for n in self.names
+                    if self.resolved.processes[n].host == host
+                },
+                self.resolved.run.heartbeat_s,
+                self._live_pids,
+                lambda: {c.name: c.restarts for c in self.children},
+                host=host,
+            )
+            routes = {"/metrics": lambda watch=watch: exposition(launcher_families(watch.health()))}
+            try:
+                server = await serve(port, {**routes, **health_routes(watch.health)})
+            except ServeError as exc:
+                self.say(f"hosts.{host}.metrics_port: {exc.strerror}", error=True)
+                self._begin_shutdown(f"hosts.{host}.metrics_port: {exc.strerror}", exits.FAILED)
+                break
+            servers.push_async_callback(_close_server, server)
+            watchers.append(group.create_task(watch.run(), name=f"health:{host}"))
+        return watchers
+
+    def _live_pids(self) -> dict[str, int | None]:
+        return {c.name: c.proc.pid if c.alive and c.proc is not None else None for c in self.children}
 
     # -- starting ------------------------------------------------------------------------
 
@@ -696,6 +739,11 @@ class Launcher:
         except (OSError, ValueError, AttributeError):
             return None
         return steps if isinstance(steps, int) else None
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 def _discard_output(stream: TextIO) -> None:
