@@ -7,6 +7,7 @@ process and times how long the launcher's ``/health`` takes to say not-ready.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,10 +19,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests.polling import until
 
+from echo2.actors.testing import Idle
 from echo2.observe.health import heartbeat_timeout_s
 from echo2.rundir import RunDir
 
@@ -203,3 +207,56 @@ def test_metrics_ports_that_overlap_tcp_ports_are_one_line_and_exit_2(tmp_path: 
         f"{topology}: hosts.a.metrics_port: metrics ports 46999-47000 overlap ports 47000-47000 "
         "of host 'a' on the same machine (127.0.0.1); move metrics_port past the other's range\n"
     )
+
+
+# -- one process's own /health and /metrics, in-process ----------------------------------------
+
+
+class Recording(Idle):
+    """Writes one ``ctx.record`` line per entry of ``values``, then drains until ``released``."""
+
+    values: ClassVar[list[float]] = [0.5, 0.25]
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.released = asyncio.Event()
+
+    async def run(self) -> None:
+        for value in self.values:
+            self.ctx.record("probe", loss=value, done=value < 0.3, note="not a number")
+        await self.ctx.stopping.wait()
+        await self.released.wait()  # a drain the test can look at
+
+
+async def test_a_process_serves_its_own_readiness_and_records(tmp_path: Path) -> None:
+    from echo2.observe.http import get as http_get
+    from echo2.runtime import ProcessRuntime
+
+    port = free_port_range(1)
+    actor = Recording("probe")
+    runtime = ProcessRuntime([actor], {}, process="main", run_dir=tmp_path, heartbeat_s=0.05, metrics_port=port)
+    async with asyncio.TaskGroup() as group:
+        run = group.create_task(runtime.run())
+        await runtime.wait_ready()
+        await until(lambda: runtime.health().ready, 5, "the first heartbeat tick")  # no event announces a tick
+        status, body = await http_get(port, "/health", 2.0)
+        assert status == 200, body
+        health = json.loads(body)
+        assert health["ready"] and health["actors"] == {"probe": "running"}
+        await until(lambda: len(RunDir(tmp_path).metrics("probe", "probe")) == 2, 5, "both records")
+        status, text = await http_get(port, "/metrics", 2.0)
+        scraped = samples(text.decode())
+        labels = (("actor", "probe"), ("process", "main"))
+        assert scraped[("echo2_records_total", (("actor", "probe"), ("kind", "probe"), ("process", "main")))] == 2
+        assert scraped[("echo2_record_probe_loss", labels)] == 0.25  # the last line's
+        assert scraped[("echo2_record_probe_done", labels)] == 1.0
+        assert not any(name.startswith("echo2_record_probe_note") for name, _ in scraped)
+
+        runtime.request_stop("test")
+        status, body = await http_get(port, "/health/ready", 2.0)
+        assert status == 503 and json.loads(body)["reason"] == "stopping (test)"
+        assert (await http_get(port, "/health/live", 2.0))[0] == 200
+        actor.released.set()
+        await run
+    with pytest.raises(OSError):  # closed with the runtime
+        await http_get(port, "/health", 2.0)

@@ -16,6 +16,10 @@
   line to ``resumes.jsonl`` (its time and the changes allowed) and writes its topology to
   ``resumes/N.topology.resolved.json``; the first launch's ``topology.resolved.json`` is
   never rewritten.
+* With ``[hosts.NAME] metrics_port = P`` the launcher serves its host's ``/health`` and
+  ``/metrics`` on P, from probing each of its processes' own (on P+1.., name order), so a
+  process that is stopped or stuck, and cannot answer for itself, is reported not ready
+  within one heartbeat timeout (``echo2.observe``, ``docs/metrics.md``).
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
   its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
