@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import ClassVar
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.polling import until
@@ -260,3 +261,33 @@ async def test_a_process_serves_its_own_readiness_and_records(tmp_path: Path) ->
         await run
     with pytest.raises(OSError):  # closed with the runtime
         await http_get(port, "/health", 2.0)
+
+
+async def test_the_launcher_view_trusts_a_not_ready_answer_at_once_and_silence_for_one_timeout() -> None:
+    from echo2.observe.health import ProcessHealth, ProcessWatch
+    from echo2.observe.http import serve
+
+    answer = {"ready": True}
+
+    def health() -> tuple[int, str, bytes]:
+        body = ProcessHealth(process="p", ready=answer["ready"], reason="" if answer["ready"] else "actors setting up")
+        return (200 if body.ready else 503), "application/json", msgspec.json.encode(body)
+
+    server = await serve(0, {"/health/ready": health})
+    port = server.sockets[0].getsockname()[1]
+    silent = free_port_range(1)  # nobody listens: a process that cannot answer
+    watch = ProcessWatch({"p": port, "q": silent}, 0.05, lambda: {"p": 1, "q": 2})
+    try:
+        async with asyncio.TaskGroup() as group:
+            probing = group.create_task(watch.run())
+            await until(lambda: watch.health().processes["p"].ready, 5, "p ready")
+            view = watch.health()
+            assert not view.ready and not view.processes["q"].ready
+            assert view.processes["q"].reason.startswith(f"no answer on port {silent}")
+            answer["ready"] = False
+            await until(lambda: not watch.health().processes["p"].ready, 5, "p not ready")
+            assert watch.health().processes["p"].reason.startswith("not ready: actors setting up; last ready ")
+            probing.cancel()
+    finally:
+        server.close()
+        await server.wait_closed()
