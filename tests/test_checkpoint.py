@@ -211,7 +211,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_the_audit_holds(tmp_
 
     steps = 15
     resumed = subprocess.run(
-        [*launch, "--set", f"actors.learner.config.max_steps={steps}", "--resume", str(run.root)],
+        [*launch, "--set", f"actors.learner.config.max_steps={steps}", "--resume", str(run.root), "--allow-changes"],
         cwd=ROOT, capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     output = resumed.stdout + resumed.stderr

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -155,8 +155,11 @@ class ActorContext:
         started_at: float | None = None,
         curve: Any = None,
         resume: bool = False,
+        on_record: Callable[[str, str, Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.actor_name = actor_name
+        self._on_record = on_record
+        """Called with ``(actor, kind, values)`` for every ``record`` (the process's /metrics)."""
         self.process = process
         self.transport = transport
         self.stopping = stopping
@@ -231,6 +234,8 @@ class ActorContext:
         """Append one JSON line to ``run_dir/metrics/<actor>.jsonl`` (no-op without a run dir)."""
         if self._metrics is not None:
             self._metrics.write({"time_s": round(time.time() - self.started_at, 4), "kind": kind, **values})
+        if self._on_record is not None:  # after the line is written: a scrape never runs ahead of the file
+            self._on_record(self.actor_name, kind, values)
 
     def ledger(self, event: LedgerEvent) -> None:
         """Append one accounting event to ``run_dir/ledger/<actor>.jsonl``.

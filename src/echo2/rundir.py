@@ -5,7 +5,10 @@ Every writer and reader of a run directory (the launcher, the actors, ``echo2.re
 the layout is written down once::
 
     RUN_DIR/                      <run.run_dir>/<run.name>-<YYYYmmdd-HHMMSS>[-N]
-      topology.resolved.json      what every process of the run reads (the launcher)
+      topology.resolved.json      what the first launch resolved (never rewritten by a resume)
+      resumes.jsonl               one line per ``--resume``: when, its topology, the changes
+                                  allowed against the previous one (``echo2.topology.changes``)
+      resumes/N.topology.resolved.json   what the processes of resume N read
       pids.json                   the launcher's and its children's PIDs
       status.json                 exit code, reason, per-process exit codes (at the end)
       logs/<process>.log          each process's output
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
 TOPOLOGY_FILE = "topology.resolved.json"
+RESUMES_FILE = "resumes.jsonl"
+RESUMES_DIR = "resumes"
 PIDS_FILE = "pids.json"
 STATUS_FILE = "status.json"
 SUMMARY_FILE = "summary.json"
@@ -95,6 +100,27 @@ class RunDir:
     @property
     def topology_path(self) -> Path:
         return self.root / TOPOLOGY_FILE
+
+    @property
+    def resume_history_path(self) -> Path:
+        return self.root / RESUMES_FILE
+
+    def resume_history(self) -> list[dict[str, Any]]:
+        """The ``resumes.jsonl`` records, oldest first ([] for a run never resumed)."""
+        path = self.resume_history_path
+        return read_jsonl(path).records if path.is_file() else []
+
+    def resume_topology_path(self, resume: int) -> Path:
+        """``resumes/N.topology.resolved.json``: what the processes of resume ``N`` (from 1) read."""
+        return self.root / RESUMES_DIR / f"{resume}.{TOPOLOGY_FILE}"
+
+    def current_topology_path(self) -> Path:
+        """The topology the run last ran with: the newest resume's, else the first launch's."""
+        for record in reversed(self.resume_history()):
+            resume = record.get("resume")
+            if isinstance(resume, int) and (path := self.resume_topology_path(resume)).is_file():
+                return path
+        return self.topology_path
 
     @property
     def pids_path(self) -> Path:

@@ -12,6 +12,10 @@ Heartbeats go on the ``telemetry`` channel (when some actor binds it) every
 ``heartbeat_s``: ZMTP heartbeats detect a dead peer but not a stuck event loop. Each
 carries every actor's ``statistics()`` record and what each endpoint discarded.
 
+With ``metrics_port`` set (``[hosts.NAME] metrics_port`` in a topology) the process serves
+``/metrics`` and ``/health`` on its own loop from the start of setup to the end of teardown
+(``echo2.observe``).
+
 The program each launched process runs is ``echo2.launch.child``.
 """
 
@@ -30,6 +34,9 @@ from pathlib import Path
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
 from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
+from echo2.observe.health import ActorState, ProcessHealth, health_routes, heartbeat_timeout_s
+from echo2.observe.http import serve
+from echo2.observe.metrics import ProcessSnapshot, RecordTracker, exposition, process_families
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
 
@@ -54,8 +61,16 @@ class ProcessRuntime:
         transport: Transport | None = None,
         curve: CurveSettings | None = None,
         resume: bool = False,
+        metrics_port: int = 0,
     ) -> None:
         self.actors = list(actors)
+        self.metrics_port = metrics_port
+        """Port of this process's /metrics and /health (0: not served)."""
+        self._records = RecordTracker()
+        self._actor_states: dict[str, ActorState] = {a.name: "setting up" for a in self.actors}
+        self._heartbeats_sent = 0
+        self._last_beat_at: float | None = None
+        self._last_lag_s = 0.0
         self.process = process
         self.run_dir = run_dir
         self.drain_timeout_s = drain_timeout_s
@@ -128,6 +143,10 @@ class ProcessRuntime:
                 ):
                     # Before any CURVE server binds: without a ZAP handler it would admit anyone.
                     transport.enable_curve(self._curve.allowed)
+                if self.metrics_port:
+                    routes = {"/metrics": lambda: exposition(process_families(self.snapshot()))}
+                    server = await serve(self.metrics_port, {**routes, **health_routes(self.health)})
+                    stack.push_async_callback(_close_server, server)
                 telemetry = self._open_telemetry(transport)
                 if telemetry is not None:
                     stack.callback(telemetry.close)
@@ -143,6 +162,7 @@ class ProcessRuntime:
                         telemetry=telemetry,
                         curve=self._curve,
                         resume=self.resume,
+                        on_record=self._records.observe if self.metrics_port else None,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)
@@ -168,7 +188,7 @@ class ProcessRuntime:
                 for actor in self.actors:
                     self._running[actor.name] = group.create_task(self._run_actor(actor), name=f"actor:{actor.name}")
                 heartbeat = None
-                if telemetry is not None:
+                if telemetry is not None or self.metrics_port:  # /health reads the ticks too
                     heartbeat = group.create_task(self._heartbeats(telemetry), name="heartbeats")
                 group.create_task(self._supervise(heartbeat), name="supervisor")
         except BaseExceptionGroup as group_exc:
@@ -180,15 +200,19 @@ class ProcessRuntime:
             raise
 
     async def _run_actor(self, actor: Actor) -> None:
+        self._actor_states[actor.name] = "running"
         try:
             await actor.run()
         except asyncio.CancelledError:
+            self._actor_states[actor.name] = "cancelled"
             log.info("%s: actor %s cancelled", self.process, actor.name)
             raise
         except Exception as exc:
+            self._actor_states[actor.name] = "failed"
             log.error("%s: actor %s failed: %s: %s", self.process, actor.name, type(exc).__name__, exc, exc_info=exc)
             raise ActorFailed(actor.name, exc) from exc
         else:
+            self._actor_states[actor.name] = "finished"
             log.info("%s: actor %s finished", self.process, actor.name)
             if actor.completes_run and not self.stopping.is_set():
                 self.request_stop(f"actor {actor.name} completed the run")
@@ -212,6 +236,53 @@ class ProcessRuntime:
         if heartbeat is not None:
             heartbeat.cancel()
 
+    # -- health and metrics ----------------------------------------------------------
+
+    def health(self) -> ProcessHealth:
+        """Ready: every actor set up, none failed, not stopping, heartbeats on time."""
+        age = None if self._last_beat_at is None else round(time.monotonic() - self._last_beat_at, 3)
+        failed = [name for name, state in self._actor_states.items() if state == "failed"]
+        if failed:
+            reason = f"actor {failed[0]} failed"
+        elif not self._ready.is_set():
+            reason = "actors setting up"
+        elif self.stopping.is_set():
+            reason = f"stopping ({self.stop_reason or 'cancelled'})"
+        elif age is None or age > heartbeat_timeout_s(self.heartbeat_s):
+            reason = "no heartbeat within the heartbeat timeout" if age is not None else "no heartbeat yet"
+        else:
+            reason = ""
+        return ProcessHealth(
+            process=self.process,
+            ready=not reason,
+            reason=reason,
+            actors=dict(self._actor_states),
+            last_heartbeat_age_s=age,
+        )
+
+    def snapshot(self) -> ProcessSnapshot:
+        """What ``/metrics`` shows (``echo2.observe.metrics``)."""
+        return ProcessSnapshot(
+            health=self.health(),
+            records=self._records,
+            stats={a.name: stats for a in self.actors if (stats := _statistics_of(a)) is not None},
+            endpoints=self._endpoint_health(),
+            heartbeats=self._heartbeats_sent,
+            loop_lag_s=self._last_lag_s,
+        )
+
+    def _endpoint_health(self) -> dict[str, EndpointHealth]:
+        return {
+            s.name: EndpointHealth(
+                decode_errors=s.decode_errors,
+                dropped=s.dropped,
+                disconnects=s.disconnects,
+                inconsistent=s.inconsistent,
+            )
+            for ctx in self._contexts
+            for s in (endpoint.statistics() for endpoint in ctx.endpoints)
+        }
+
     # -- telemetry -------------------------------------------------------------------
 
     def _open_telemetry(self, transport: Transport) -> PublisherEndpoint | None:
@@ -227,7 +298,7 @@ class ProcessRuntime:
             else self._curve.for_urls(False, self._telemetry_connect, self._telemetry_curve_servers),
         )
 
-    async def _heartbeats(self, telemetry: PublisherEndpoint) -> None:
+    async def _heartbeats(self, telemetry: PublisherEndpoint | None) -> None:
         host = socket.gethostname()
         names = [a.name for a in self.actors]
         seq = 0
@@ -235,17 +306,14 @@ class ProcessRuntime:
         expected = loop.time()
         while True:
             lag = max(0.0, loop.time() - expected)
+            self._last_beat_at, self._last_lag_s = time.monotonic(), lag
+            self._heartbeats_sent += 1
+            if telemetry is None:  # ticks for /health only
+                expected = loop.time() + self.heartbeat_s
+                await asyncio.sleep(self.heartbeat_s)
+                continue
             actor_stats = {a.name: stats for a in self.actors if (stats := _statistics_of(a)) is not None}
-            endpoints = {
-                s.name: EndpointHealth(
-                    decode_errors=s.decode_errors,
-                    dropped=s.dropped,
-                    disconnects=s.disconnects,
-                    inconsistent=s.inconsistent,
-                )
-                for ctx in self._contexts
-                for s in (endpoint.statistics() for endpoint in ctx.endpoints)
-            }
+            endpoints = self._endpoint_health()
             beat = Heartbeat(
                 process=self.process,
                 actors=names,
@@ -275,6 +343,11 @@ def _statistics_of(actor: Actor) -> ActorStats | None:
         f"actor {actor.name}: statistics() must return an echo2.messages statistics record "
         f"(CustomStats for an actor of your own) or None, got {type(stats).__name__}"
     )
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 async def _aclose_actor(actor: Actor) -> None:

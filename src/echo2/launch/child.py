@@ -31,6 +31,7 @@ from pathlib import Path
 from echo2.actor import PortAddresses
 from echo2.errors import ActorFailed
 from echo2.launch import exits
+from echo2.observe.http import ServeError
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
@@ -189,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drain_timeout_s=resolved.run.drain_timeout_s,
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
+            metrics_port=spec.metrics_port,
         )
         signals.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, signals)
@@ -196,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         _run_loop(amain())
+    except ServeError as exc:  # [hosts.*] metrics_port: the port is taken
+        log.error("%s: exiting: %s", args.process, exc.strerror)
+        return exits.FAILED
     except ActorFailed as exc:
         cause = exc.__cause__
         if isinstance(cause, OSError) and cause.errno in exits.STORAGE_ERRNOS:

@@ -3,12 +3,23 @@
 ::
 
     python -m echo2.launch TOPOLOGY.toml [--set path=value]... [--run-dir DIR] [--host NAME] [--dry-run]
+                           [--resume RUN_DIR [--allow-changes]]
 
 * A bad topology or option prints one line, ``TOPOLOGY.toml: <field path>: <problem>``, and
   exits 2.
 * The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
   (what every process reads), ``logs/<process>.log``, ``pids.json`` (launcher and children)
   and, at the end, ``status.json``. ``--run-dir`` replaces ``run.run_dir`` (the parent).
+* ``--resume RUN_DIR`` continues a run from its checkpoints with the settings it last ran
+  with: a topology that resolves differently (a ``--set`` forgotten or added) is refused,
+  exit 2, one line per differing field, unless ``--allow-changes``. Each resume appends a
+  line to ``resumes.jsonl`` (its time and the changes allowed) and writes its topology to
+  ``resumes/N.topology.resolved.json``; the first launch's ``topology.resolved.json`` is
+  never rewritten.
+* With ``[hosts.NAME] metrics_port = P`` the launcher serves its host's ``/health`` and
+  ``/metrics`` on P, from probing each of its processes' own (on P+1.., name order), so a
+  process that is stopped or stuck, and cannot answer for itself, is reported not ready
+  within one heartbeat timeout (``echo2.observe``, ``docs/metrics.md``).
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
   its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
@@ -49,8 +60,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
+import msgspec
+
 from echo2.errors import ConfigError, one_line
 from echo2.launch import exits
+from echo2.observe.health import ProcessWatch, health_routes
+from echo2.observe.http import ServeError, serve
+from echo2.observe.metrics import exposition, launcher_families
 from echo2.rundir import RunDir, new_run_id
 from echo2.topology import (
     ResolvedTopology,
@@ -59,6 +75,7 @@ from echo2.topology import (
     load_topology,
     resolve,
 )
+from echo2.topology.changes import topology_changes
 from echo2.topology.preflight import check_before_launch
 
 KILL_GRACE_S = 5.0
@@ -104,6 +121,11 @@ def _parser() -> _Parser:
         help="continue a stopped or crashed run in RUN_DIR from its last checkpoints",
     )
     parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: run even if the topology differs from the one the run last ran with",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and print the resolved topology; start nothing",
@@ -122,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
+    if args.allow_changes and args.resume is None:
+        print(f"{parser.prog}: --allow-changes: only with --resume", file=sys.stderr)
+        return exits.BAD_CONFIG
     source = args.topology
     try:
         topology = load_topology(source, args.overrides)
@@ -160,14 +185,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return exits.BAD_CONFIG
     run_dir = run.root
     resolved = resolve(topology, run.name, str(run_dir))
+    resolved_path = run.topology_path
     if args.resume is not None:
         resolved.resume = True
-    resolved_path = run.topology_path
-    try:
-        resolved.dump(resolved_path)
-    except OSError as exc:  # a full disk or a read-only run directory: nothing started yet
-        print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
-        return exits.FAILED
+        try:
+            resolved_path = _record_resume(run, resolved, allow_changes=args.allow_changes)
+        except _ResumeRefused as exc:
+            for line in exc.lines:
+                print(f"--resume: {line}", file=sys.stderr)
+            return exits.BAD_CONFIG
+        except OSError as exc:  # a full disk or a read-only run directory: nothing started yet
+            print(f"echo2: {exits.cannot_write(Path(exc.filename or run.root), exc)}; nothing started", file=sys.stderr)
+            return exits.FAILED
+    else:
+        try:
+            resolved.dump(resolved_path)
+        except OSError as exc:  # a full disk or a read-only run directory: nothing started yet
+            print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
+            return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
@@ -181,6 +216,48 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
+
+
+class _ResumeRefused(Exception):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(lines[0])
+        self.lines = lines
+
+
+def _record_resume(run: RunDir, resolved: ResolvedTopology, *, allow_changes: bool) -> Path:
+    """Compare with the topology the run last ran with; record this resume; the path its processes read.
+
+    Raises ``_ResumeRefused`` (nothing written) when fields differ and changes are not allowed."""
+    recorded_path = run.current_topology_path()
+    try:
+        recorded = json.loads(recorded_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _ResumeRefused([f"cannot read {recorded_path}: {one_line(exc)}"]) from exc
+    changes = topology_changes(recorded, resolved)
+    if changes and not allow_changes:
+        raise _ResumeRefused(
+            [
+                f"{len(changes)} field(s) differ from {recorded_path.relative_to(run.root)}, "
+                "which the run last ran with (pass --allow-changes to resume with them):",
+                *(f"  {change.describe()}" for change in changes),
+            ]
+        )
+    resume = 1 + max((r["resume"] for r in run.resume_history() if isinstance(r.get("resume"), int)), default=0)
+    path = run.resume_topology_path(resume)
+    path.parent.mkdir(exist_ok=True)
+    resolved.dump(path)
+    record = {
+        "resume": resume,
+        "unix_s": round(time.time(), 3),
+        "topology": str(path.relative_to(run.root)),
+        "compared_with": str(recorded_path.relative_to(run.root)),
+        "changes": msgspec.to_builtins(changes),
+    }
+    with open(run.resume_history_path, "a", encoding="utf-8") as history:
+        history.write(json.dumps(record) + "\n")
+    for change in changes:
+        print(f"--resume: allowed change: {change.describe()}", file=sys.stderr)
+    return path
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:
@@ -203,14 +280,10 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
 
 
 def _replace_struct(struct: Any, **changes: Any) -> Any:
-    import msgspec
-
     return msgspec.structs.replace(struct, **changes)
 
 
 def _to_json(resolved: ResolvedTopology) -> str:
-    import msgspec
-
     return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
 
 
@@ -307,7 +380,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         handled = self._install_signal_handlers(loop)
         try:
-            async with asyncio.TaskGroup() as group:
+            async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as servers:
+                watchers = await self._serve_health(group, servers)
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
@@ -321,7 +395,7 @@ class Launcher:
                     self._handle(kind, payload)
                 # Output ends when the pipes close; a grandchild holding one must not hang us.
                 _, pending = await asyncio.wait(pumps, timeout=2.0) if pumps else (set(), set())
-                for task in pending:
+                for task in [*pending, *watchers]:
                     task.cancel()
         finally:
             for timer in self._timers:
@@ -335,6 +409,45 @@ class Launcher:
                 self._close_log(child)
             self._finish()
         return self.status
+
+    # -- health ----------------------------------------------------------------------
+    #
+    # A process cannot say it is stopped or stuck: the launcher of its host probes it and
+    # serves the host's /health and /metrics ([hosts.NAME] metrics_port; echo2.observe.health).
+
+    async def _serve_health(
+        self, group: asyncio.TaskGroup, servers: contextlib.AsyncExitStack
+    ) -> list[asyncio.Task[None]]:
+        watchers: list[asyncio.Task[None]] = []
+        hosts = sorted({self.resolved.processes[name].host for name in self.names})
+        for host in hosts:
+            port = self.resolved.hosts[host].metrics_port
+            if not port:
+                continue
+            watch = ProcessWatch(
+                {
+                    n: self.resolved.processes[n].metrics_port
+                    for n in self.names
+                    if self.resolved.processes[n].host == host
+                },
+                self.resolved.run.heartbeat_s,
+                self._live_pids,
+                lambda: {c.name: c.restarts for c in self.children},
+                host=host,
+            )
+            routes = {"/metrics": lambda watch=watch: exposition(launcher_families(watch.health()))}
+            try:
+                server = await serve(port, {**routes, **health_routes(watch.health)})
+            except ServeError as exc:
+                self.say(f"hosts.{host}.metrics_port: {exc.strerror}", error=True)
+                self._begin_shutdown(f"hosts.{host}.metrics_port: {exc.strerror}", exits.FAILED)
+                break
+            servers.push_async_callback(_close_server, server)
+            watchers.append(group.create_task(watch.run(), name=f"health:{host}"))
+        return watchers
+
+    def _live_pids(self) -> dict[str, int | None]:
+        return {c.name: c.proc.pid if c.alive and c.proc is not None else None for c in self.children}
 
     # -- starting ------------------------------------------------------------------------
 
@@ -630,6 +743,11 @@ class Launcher:
         except (OSError, ValueError, AttributeError):
             return None
         return steps if isinstance(steps, int) else None
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 def _discard_output(stream: TextIO) -> None:

@@ -107,7 +107,7 @@ def _run_failed(run_dirs: Sequence[Path]) -> str:
 
 def _budget(run_dirs: Sequence[Path]) -> int | None:
     for run_dir in run_dirs:
-        path = RunDir(run_dir).topology_path
+        path = RunDir(run_dir).current_topology_path()
         if path.exists():
             return int(json.loads(path.read_text())["job"]["staleness"])
     return None

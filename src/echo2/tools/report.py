@@ -30,7 +30,11 @@ of whichever ``metrics/*.jsonl`` holds ``"kind": "step"`` lines (the learner's),
 not parse are skipped, ``summary.json`` and ``topology.resolved.json`` are optional, and a
 plot without data is not written (a stale copy from an earlier report is removed).
 
-Learner time is ``time_s`` of the step records: seconds since the learner actor started.
+Learner time is seconds since the learner of the first launch started, on one axis across
+``--resume``: each step record's ``time_s`` counts from its own learner's start, so a
+resumed learner's records (a file's ``time_s`` going back) are placed by their ``unix_s``
+(or, in records without it, right after the previous segment), and every resume is drawn
+as a dashed vertical line on the time axes.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ from matplotlib.ticker import PercentFormatter
 from echo2.rundir import RunDir, read_jsonl
 
 STEP_KIND = "step"
+RUN_TIME = "run_time_s"
+"""Key ``load_run`` adds to each step record: learner time on the run's one axis (see above)."""
 PLOT_NAMES = ("reward.png", "accuracy.png", "staleness.png", "learner_idle.png")
 CAPACITY_PLOT = "capacity.png"
 """Written only for runs with activation records (not in PLOT_NAMES: most runs have none)."""
@@ -86,6 +92,8 @@ class RunData:
     """Problems with the inputs worth one line in report.md."""
     budget: int | None = None
     """The staleness budget S."""
+    resumed_at: list[float] = field(default_factory=list)
+    """Learner time (``RUN_TIME``) at which each resumed segment's first step was recorded."""
 
     @property
     def step_file(self) -> str | None:
@@ -125,15 +133,20 @@ def load_run(run_dir: Path) -> RunData:
             best = (len(steps), path.stem, steps, skipped)
     if best is not None:
         _, data.actor, steps, data.skipped_lines = best
-        data.steps = sorted(steps, key=lambda r: (r["step"], _number(r.get("time_s")) or 0.0))
+        data.resumed_at = place_on_run_clock(steps)
+        data.steps = sorted(steps, key=lambda r: (r["step"], _number(r.get(RUN_TIME)) or 0.0))
         if data.skipped_lines:
             data.notes.append(f"{data.skipped_lines} line(s) of `{data.step_file}` did not parse and were skipped.")
 
+    for resume in run.resume_history():
+        changed = [c.get("field") for c in resume.get("changes") or [] if isinstance(c, dict)]
+        if changed:
+            data.notes.append(f"Resume {resume.get('resume')} ran with changes: {', '.join(map(str, changed))}.")
     data.summary = _read_json(run.summary_path, data)
     if data.summary is None:
         stopped = " (the run may have stopped before the learner wrote it)" if data.steps else ""
         data.notes.append(f"No `summary.json`{stopped}.")
-    topology = _read_json(run.topology_path, data)
+    topology = _read_json(run.current_topology_path(), data)
     if topology is not None:
         if isinstance(topology.get("run_id"), str):
             data.run_id = topology["run_id"]
@@ -143,6 +156,44 @@ def load_run(run_dir: Path) -> RunData:
     if data.budget is None and data.summary is not None:
         data.budget = _integer(data.summary.get("staleness_budget"))
     return data
+
+
+def place_on_run_clock(records: Sequence[dict[str, Any]]) -> list[float]:
+    """Set ``RUN_TIME`` of each record (in file order); returns where each resumed segment starts.
+
+    A segment is a run of records whose ``time_s`` does not go back (one learner process).
+    Its offset on the run clock is its learner's start (``unix_s - time_s``) minus the first
+    segment's, or, without ``unix_s``, the previous segment's last ``time_s``."""
+    resumed_at: list[float] = []
+    first_start = segment_start = None
+    offset = 0.0
+    previous: float | None = None
+    for record in records:
+        time_s = _number(record.get("time_s"))
+        if time_s is None:
+            continue
+        unix_s = _number(record.get("unix_s"))
+        start = None if unix_s is None else unix_s - time_s
+        if previous is None:
+            first_start = segment_start = start
+        elif time_s < previous or _other_start(start, segment_start):  # another learner process
+            segment_start = start
+            end_of_previous = offset + previous
+            by_clock = None if start is None or first_start is None else start - first_start
+            offset = end_of_previous if by_clock is None else max(by_clock, end_of_previous)
+            resumed_at.append(offset + time_s)
+        record[RUN_TIME] = offset + time_s
+        previous = time_s
+    return resumed_at
+
+
+_SAME_START_S = 1.0
+"""Records whose learner started within this many seconds of each other are one segment
+(``unix_s`` and ``time_s`` are read a moment apart and rounded; a restart takes longer)."""
+
+
+def _other_start(start: float | None, segment_start: float | None) -> bool:
+    return start is not None and segment_start is not None and abs(start - segment_start) > _SAME_START_S
 
 
 def _number(value: Any) -> float | None:
@@ -156,6 +207,19 @@ def _number(value: Any) -> float | None:
 def _integer(value: Any) -> int | None:
     number = _number(value)
     return int(number) if number is not None and number == int(number) else None
+
+
+def time_series(data: RunData, y_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(learner time, y)`` of the step records, in time order."""
+    times, values = series(data.steps, RUN_TIME, y_key)
+    order = np.argsort(times, kind="stable")
+    return times[order], values[order]
+
+
+def mark_resumes(ax: Any, data: RunData) -> None:
+    """A dashed vertical line where each resumed segment starts on a learner-time axis."""
+    for index, at in enumerate(data.resumed_at):
+        ax.axvline(at, color="gray", linestyle="--", linewidth=1, label="resumed" if index == 0 else None)
 
 
 def series(records: Sequence[dict[str, Any]], x_key: str, y_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +263,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def plot_reward(data: RunData, path: Path, window: int | None = None) -> Path | None:
     steps, reward = series(data.steps, "step", "reward_mean")
-    times, reward_t = series(data.steps, "time_s", "reward_mean")
+    times, reward_t = time_series(data, "reward_mean")
     if len(reward) == 0:
         return None
     w = window or default_window(len(reward))
@@ -218,6 +282,7 @@ def plot_reward(data: RunData, path: Path, window: int | None = None) -> Path | 
             ax.legend(loc="best", fontsize="small")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+    mark_resumes(axes[1], data)
     axes[0].set_ylabel("reward_mean")
     fig.suptitle(f"Training reward — {data.run_id}")
     return _save(fig, path)
@@ -249,9 +314,9 @@ def step_times(data: RunData, steps: np.ndarray) -> np.ndarray | None:
     its ``wait_s`` and ``train_s``."""
     known: dict[float, float] = {}
     for record in data.steps:
-        step, time_s = _number(record.get("step")), _number(record.get("time_s"))
+        step, time_s = _number(record.get("step")), _number(record.get(RUN_TIME))
         if step is not None and time_s is not None:
-            known.setdefault(step, time_s)
+            known[step] = time_s  # a step trained again after a resume: where it counted
     if not known:
         return None
     if 0.0 not in known:
@@ -277,6 +342,7 @@ def plot_accuracy(data: RunData, path: Path) -> Path | None:
         axes[1].text(0.5, 0.5, "no step timestamps", ha="center", va="center", transform=axes[1].transAxes)
     else:
         axes[1].plot(times, acc, marker="o", color="tab:green")
+        mark_resumes(axes[1], data)
     axes[1].set_xlabel("learner time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -364,12 +430,13 @@ def _wait_train(record: dict[str, Any]) -> tuple[float | None, float | None]:
 def plot_learner_idle(data: RunData, path: Path, window: int | None = None) -> Path | None:
     rows = []
     for record in data.steps:
-        time_s = _number(record.get("time_s"))
+        time_s = _number(record.get(RUN_TIME))
         wait_s, train_s = _wait_train(record)
         if time_s is not None and wait_s is not None and train_s is not None:
             rows.append((time_s, wait_s, train_s))
     if not rows:
         return None
+    rows.sort(key=lambda row: row[0])
     array = np.asarray(rows, dtype=float)
     times, wait, train = array[:, 0], array[:, 1], array[:, 2]
     w = window or default_window(len(rows))
@@ -384,6 +451,7 @@ def plot_learner_idle(data: RunData, path: Path, window: int | None = None) -> P
         ax.axhline(overall, color="gray", linestyle=":", linewidth=1, label="overall")
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_ylim(0, max(0.05, min(1.0, float(max(per_step.max(), rolling.max())) * 1.1)))
+    mark_resumes(ax, data)
     ax.set_xlabel("learner time (s)")
     ax.set_ylabel("idle: wait / (wait + train)")
     ax.grid(alpha=0.3)
@@ -557,7 +625,7 @@ def headline_rows(data: RunData) -> list[tuple[str, str]]:
     if not data.steps:
         return []
     rows = [("steps (from metrics)", _format(data.steps[-1].get("step")))]
-    _, times = series(data.steps, "step", "time_s")
+    _, times = series(data.steps, "step", RUN_TIME)
     if len(times):
         rows.append(("last step at learner time (s)", _format(float(times.max()))))
     points = accuracy_points(data)

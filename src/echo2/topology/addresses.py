@@ -43,6 +43,8 @@ class Addresses:
     ipc_dir: str
     curve_hosts: dict[str, str] = dataclasses.field(default_factory=dict)
     """Connect URL -> host of the CURVE server behind it (CURVE on only)."""
+    metrics_ports: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Process -> port of its ``/metrics`` and ``/health`` (absent: off; ``HostSpec.metrics_port``)."""
 
 
 def ipc_dir_for(run_id: str) -> str:
@@ -92,7 +94,8 @@ def derive_addresses(
                 raise ConfigError(f"tcp ports from {base} run past 65535", path=f"hosts.{host}.port_base")
             tcp_ports[key] = base + offset
     _check_reachable(binders, connectors, telemetry_peers, hosts)
-    _check_port_ranges(needs_tcp, hosts)
+    metrics_ports = _metrics_ports(process_hosts, hosts)
+    _check_port_ranges(needs_tcp, hosts, process_hosts)
 
     def url(owner: Placement, port_name: str, peer: Placement, *, bind: bool) -> str:
         if peer.process == owner.process:
@@ -154,7 +157,25 @@ def derive_addresses(
         tcp_ports=tcp_ports,
         ipc_dir=ipc_dir,
         curve_hosts=owner_of_url,
+        metrics_ports=metrics_ports,
     )
+
+
+def _metrics_ports(process_hosts: Mapping[str, str], hosts: Mapping[str, HostSpec]) -> dict[str, int]:
+    """Per process, the port of its ``/metrics`` and ``/health``: on a host with
+    ``metrics_port = P`` its launcher serves P and its processes, in name order, P+1, P+2, ..."""
+    ports: dict[str, int] = {}
+    for host, spec in hosts.items():
+        if spec.metrics_port == 0:
+            continue
+        members = sorted(proc for proc, at in process_hosts.items() if at == host)
+        if spec.metrics_port + len(members) > 65535:
+            raise ConfigError(
+                f"metrics ports from {spec.metrics_port} run past 65535", path=f"hosts.{host}.metrics_port"
+            )
+        for offset, proc in enumerate(members, 1):
+            ports[proc] = spec.metrics_port + offset
+    return ports
 
 
 def _check_reachable(
@@ -183,21 +204,33 @@ def _check_reachable(
         )
 
 
-def _check_port_ranges(needs_tcp: Mapping[str, list[tuple[str, str]]], hosts: Mapping[str, HostSpec]) -> None:
-    """Hosts at one address are one machine (binders bind every interface): no shared tcp port."""
-    ranges: list[tuple[str, str, int, int]] = []  # (machine, host, first port, last port)
-    for host in sorted(needs_tcp):
+def _check_port_ranges(
+    needs_tcp: Mapping[str, list[tuple[str, str]]], hosts: Mapping[str, HostSpec], process_hosts: Mapping[str, str]
+) -> None:
+    """Hosts at one address are one machine (binders bind every interface): no shared tcp
+    port, whether an endpoint's or a metrics server's (a launcher's and its processes')."""
+    wanted: list[tuple[str, str, int, int]] = []  # (host, field, first port, last port)
+    for host in sorted(hosts):
+        spec = hosts[host]
+        if needs_tcp.get(host):
+            wanted.append((host, "port_base", spec.port_base, spec.port_base + len(needs_tcp[host]) - 1))
+        if spec.metrics_port:
+            processes = sum(1 for at in process_hosts.values() if at == host)
+            wanted.append((host, "metrics_port", spec.metrics_port, spec.metrics_port + processes))
+    ranges: list[tuple[str, str, str, int, int]] = []  # (machine, host, field, first port, last port)
+    for host, field, first, last in wanted:
         spec = hosts[host]
         machine = "loopback" if _is_loopback(spec.address) else spec.address.lower()
-        first, last = spec.port_base, spec.port_base + len(needs_tcp[host]) - 1
-        for other_machine, other, other_first, other_last in ranges:
+        what = "tcp ports" if field == "port_base" else "metrics ports"
+        for other_machine, other, other_field, other_first, other_last in ranges:
             if other_machine == machine and first <= other_last and other_first <= last:
+                theirs = "" if other_field == "port_base" else " (its metrics ports)"
                 raise ConfigError(
-                    f"tcp ports {first}-{last} overlap ports {other_first}-{other_last} of host {other!r} "
-                    f"on the same machine ({spec.address}); move port_base past the other's range",
-                    path=f"hosts.{host}.port_base",
+                    f"{what} {first}-{last} overlap ports {other_first}-{other_last} of host {other!r}{theirs} "
+                    f"on the same machine ({spec.address}); move {field} past the other's range",
+                    path=f"hosts.{host}.{field}",
                 )
-        ranges.append((machine, host, first, last))
+        ranges.append((machine, host, field, first, last))
 
 
 def _is_loopback(address: str) -> bool:

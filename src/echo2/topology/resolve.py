@@ -93,6 +93,8 @@ class ResolvedProcess(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``ProcessSpec.max_restarts``."""
     restart_backoff_s: float = 1.0
     """``ProcessSpec.restart_backoff_s``: seconds before the first restart."""
+    metrics_port: int = 0
+    """Port of this process's ``/metrics`` and ``/health`` (0: off; ``HostSpec.metrics_port``)."""
 
 
 class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -151,6 +153,7 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             restart=spec.restart,
             max_restarts=spec.max_restarts,
             restart_backoff_s=spec.restart_backoff_s,
+            metrics_port=addresses.metrics_ports.get(proc_name, 0),
         )
     return ResolvedTopology(
         run=topology.run,

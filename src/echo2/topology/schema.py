@@ -4,7 +4,7 @@ A topology says where actors run; actor code never does. The file has six tables
 
     [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s
     [job]             settings several actors share (echo2.job.JobConfig)
-    [hosts.NAME]      address, port_base, cores
+    [hosts.NAME]      address, port_base, metrics_port, cores
     [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
     [actors.NAME]     kind, process, replicas, config = {...}
     [security]        curve, keys_dir, allowed
@@ -88,6 +88,9 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
     ports below 1024 are for services run as root. The default lies below Linux's ephemeral
     range (32768-60999), from which outgoing connections take their local ports."""
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Port of this host's launcher's ``/metrics`` and ``/health`` (0: off); the host's
+    processes, in name order, serve theirs at the ports after it (``docs/metrics.md``)."""
     cores: Annotated[int, Meta(ge=0)] = 0
     """Cores torch may use on this host (0: the usable cores of the machine resolving the
     topology; each host's launcher resolves for itself, so 0 is right on every host)."""
