@@ -352,6 +352,12 @@ class PublisherStats(Statistics, frozen=True):
     installs: int = 0
     shm_versions_written: int = 0
     shm_failures: int = 0
+    delta_versions: int = 0
+    """Versions streamed in delta form (``echo2.weights.delta``)."""
+    delta_fallbacks: int = 0
+    """Versions whose delta form saved too little (``DELTA_MAX_RATIO``): sent dense."""
+    delta_dense_requests: int = 0
+    """Members that asked for the dense form of a delta version (base lost, rebuild failed)."""
     members: int = 0
     uplink_bytes: int = 0
     latest_version: int = -1

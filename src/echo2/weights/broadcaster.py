@@ -327,6 +327,10 @@ class WeightBroadcaster:
         async with self._changed:
             await self._changed.wait_for(lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count)
 
+    def installed_by(self, key: PolicyVersion) -> list[str]:
+        """Members that reported ``key`` (or a later version) installed."""
+        return sorted(name for name, m in self._members.items() if m.installed >= key)
+
     @property
     def latest_key(self) -> PolicyVersion | None:
         return self._latest.key if self._latest is not None else None
