@@ -202,6 +202,8 @@ def _decode_segment(
     elements = seg.nbytes // seg.itemsize
     if not 0 < count < elements + 1:
         raise DeltaError("changed count out of range")
+    if index_bytes > _VARINT_MAX_BYTES * count + -(-elements // 8):
+        raise DeltaError("index larger than any coding of the changed count")  # bounds what zstd may allocate
     expected = index_bytes + count * seg.itemsize
     try:
         raw = zstandard.ZstdDecompressor().decompress(record, max_output_size=expected)
@@ -219,7 +221,7 @@ def _decode_segment(
         positions = np.flatnonzero(np.unpackbits(index, count=elements, bitorder="little"))
         if len(positions) != count:
             raise DeltaError("bitmap does not match the changed count")
-    if count and (positions[-1] >= elements or positions[0] < 0):
+    if count and (positions.min() < 0 or positions.max() >= elements):
         raise DeltaError("changed element out of range")
     values = _unshuffle(body[index_bytes:], seg.itemsize, count)
     view = region.view(_UINT[seg.itemsize])

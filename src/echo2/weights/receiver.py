@@ -528,6 +528,11 @@ class WeightReceiver:
         """Assemble a delta version's payload (relayed and repaired like any version's
         chunks) if we hold its base; else ask for the dense form."""
         base = base_of(manifest)
+        if manifest.seal_key:
+            # echo2 publishes sealed versions dense only; a sealed delta is not one of ours.
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected manifest v%d: a sealed delta version", self.name, manifest.version)
+            return
         if self._base is None or self._base[0] != base:
             self.counters["delta_base_missing"] += 1
             await self._ask_dense(manifest.policy_version)
@@ -564,7 +569,7 @@ class WeightReceiver:
             state = SnapshotAssembler(manifest, spare)
             try:
                 decode(payload.plaintext, base[1], state.buffer, threads=self._verify_threads)
-            except DeltaError as exc:
+            except (DeltaError, ValueError, IndexError) as exc:  # a payload that passed its digests but lies
                 log.warning("%s: delta v%d does not decode: %s", self.name, key.version, exc)
                 return None
             return state if _verify_in_place(state) else None
