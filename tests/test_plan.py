@@ -121,3 +121,23 @@ def test_measured_figures_from_a_run_directory(tmp_path: Path, capsys) -> None:
     assert plan["mu_min"] == pytest.approx(2 * 64 / (4.0 - 1.0))
     assert plan["sources"]["mu"].startswith("measured")
     assert plan["rho"]["real"] == pytest.approx(0.1 / 50)
+
+
+def test_measured_bytes_per_version_predict_t_bcast_and_show_what_dense_would_need(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(MIXED)
+    run = RunDir(tmp_path / "run")
+    run.metrics_dir.mkdir(parents=True)
+    # Delta versions of a 100 MB state, 2-3 MB on the wire each, and one dense anchor.
+    wire = [2_000_000, 3_000_000, 100_000_000, 2_500_000, 2_500_000]
+    run.metrics_path("weight_publisher").write_text(
+        "\n".join(json.dumps({"kind": "broadcast", "bytes": 100_000_000, "wire_bytes": w}) for w in wire) + "\n"
+    )
+    plan = _plan(capsys, str(path), "--run", str(run.root), "--link-mbps", "100")
+    assert plan["bytes_per_version"] == 2_500_000 and plan["dense_bytes_per_version"] == 100_000_000
+    assert plan["t_bcast_s"] == pytest.approx(2_500_000 * 8 / 100e6)  # 0.2 s: bytes / Bw
+    assert plan["t_bcast_dense_s"] == pytest.approx(8.0)
+    assert plan["mu_min"] == pytest.approx(2 * 64 / (2 * 1.0 - 0.2))
+    assert plan["mu_min_dense"] is None  # 8 s of broadcast per 1 s step: no pool is enough
+    assert main([str(path), "--link-mbps", "100"]) == 2  # no bytes known
+    assert "--link-mbps" in capsys.readouterr().err

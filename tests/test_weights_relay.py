@@ -124,6 +124,7 @@ async def harness(
     fault=None,
     medium: str = "inproc",
     shm_dir: str | None = None,
+    delta_anchor_every: int = 0,
 ) -> AsyncIterator[Harness]:
     """``medium``: "inproc" (ZeroMQ PULL inboxes), "tcp" (chunk-stream inboxes, the default
     over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp). ``shm_dir``: shared memory for
@@ -142,6 +143,7 @@ async def harness(
         send_timeout_s=1.0,
         fault=fault,
         shm_dir=shm_dir,
+        delta_anchor_every=delta_anchor_every,
     )
     try:
         async with asyncio.TaskGroup() as group:

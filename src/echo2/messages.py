@@ -356,6 +356,12 @@ class PublisherStats(Statistics, frozen=True):
     installs: int = 0
     shm_versions_written: int = 0
     shm_failures: int = 0
+    delta_versions: int = 0
+    """Versions streamed in delta form (``echo2.weights.delta``)."""
+    delta_fallbacks: int = 0
+    """Versions whose delta form saved too little (``DELTA_MAX_RATIO``): sent dense."""
+    delta_dense_requests: int = 0
+    """Members that asked for the dense form of a delta version (base lost, rebuild failed)."""
     members: int = 0
     uplink_bytes: int = 0
     latest_version: int = -1
@@ -673,6 +679,25 @@ class Snapshot(Message, _Versioned, frozen=True):
     created_at_s: float
 
 
+class WeightDelta(msgspec.Struct, frozen=True):
+    """How a delta-coded version travels (``echo2.weights.delta``): its chunks carry a
+    payload that rebuilds the full state from base version (``base_incarnation``,
+    ``base_version``), which the member must hold complete and verified. The manifest's
+    own fields keep describing the full state, and the rebuilt state is verified against
+    them before it is installed."""
+
+    base_incarnation: int
+    base_version: int
+    total_bytes: int
+    """Payload bytes (what is chunked, relayed and repaired)."""
+    chunk_digests: list[bytes]
+    """One per ``chunk_bytes`` of payload, in the manifest's ``digest_algorithm``."""
+    digest: bytes
+    """Over the concatenated payload chunk digests (signed with the manifest)."""
+    changed_fraction: float = 0.0
+    """Elements whose bit pattern differs from the base (telemetry)."""
+
+
 class WeightManifest(Message, _Versioned, frozen=True):
     """Describes one snapshot: layout, chunking and digests (``digest_algorithm``: echo2
     publishes "blake3"; "sha256", the field's default for peers that leave it out, and
@@ -694,6 +719,9 @@ class WeightManifest(Message, _Versioned, frozen=True):
     ``chunk_digests`` are then over the ciphertext. Empty: chunks are plaintext."""
     seal_check: bytes = b""
     """Keyed BLAKE3 of ``digest`` under ``seal_key``: commits the manifest to its key."""
+    delta: WeightDelta | None = None
+    """Set: this version's chunks are a delta payload against a base (``WeightDelta``);
+    None: its chunks are the state itself (a dense version)."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):
@@ -779,6 +807,9 @@ class ChunkRequest(Message, _Versioned, frozen=True):
     incarnation: int
     version: int
     indices: list[int]
+    dense: bool = False
+    """The delta form of this version cannot be used here (base not held, or the rebuilt
+    state failed verification): send the dense manifest, and repair from the dense form."""
 
 
 AnyMessage = (

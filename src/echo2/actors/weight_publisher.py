@@ -70,6 +70,10 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     shm_dir: str = ""
     """Shared-memory directory (e.g. "/dev/shm") for samplers on this host that set the
     same ``shm_dir``: they map each version from it instead of receiving chunks. "": off."""
+    delta_anchor_every: Annotated[int, Meta(ge=0)] = 0
+    """Delta-coded versions (``echo2.weights.delta``): K > 1 sends each version as its
+    changes from the one before to samplers holding that one, with a dense anchor every
+    K versions (and dense for any sampler that lacks the base). 0 or 1: all dense."""
     signing_key: str = ""
     """Ed25519 private key (PEM) to sign every manifest; samplers with the public key
     install nothing else. Make one with ``python -m echo2.keys --sign``."""
@@ -108,6 +112,7 @@ class WeightPublisher(Actor):
             on_bcast=self._on_bcast,
             shm_dir=self.config.shm_dir or None,
             sealed=ctx.sealed_weights,
+            delta_anchor_every=self.config.delta_anchor_every,
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 
@@ -137,6 +142,9 @@ class WeightPublisher(Actor):
             installs=int(b["installs"]),
             shm_versions_written=int(b["shm_versions_written"]),
             shm_failures=int(b["shm_failures"]),
+            delta_versions=int(b["delta_versions"]),
+            delta_fallbacks=int(b["delta_fallbacks"]),
+            delta_dense_requests=int(b["delta_dense_requests"]),
             members=int(b["members"]),
             uplink_bytes=int(b["uplink_bytes"]),
             latest_version=latest.version if latest is not None else -1,
@@ -162,6 +170,9 @@ class WeightPublisher(Actor):
             self.counters["snapshots"] += len(batch)
             self.counters["skipped"] += len(batch) - 1
             snapshot, manifest = await asyncio.to_thread(self.broadcaster.prepare, newest)
+            # Off the loop and off the learner's path, like prepare (measured: encode_s).
+            delta = await asyncio.to_thread(self.broadcaster.prepare_delta, newest, manifest)
             if self._signer is not None:
                 manifest = self._signer.sign(manifest)
-            self.broadcaster.publish_nowait(snapshot, manifest)
+                delta = delta.signed(self._signer.sign) if delta is not None else None
+            self.broadcaster.publish_nowait(snapshot, manifest, delta)

@@ -72,6 +72,15 @@ def mu_min(kappa: int, R: float, T_train_s: float, T_bcast_s: float) -> float:
     return kappa * R / slack_s
 
 
+def t_bcast_for_bytes(bytes_per_version: float, link_mbps: float) -> float:
+    """T_bcast of a pipelined relay moving ``bytes_per_version`` over links of ``link_mbps``
+    Mbit/s: bytes / Bw (the chain's fill, a few chunks, is left out). The bytes are what a
+    version puts on the wire: its delta payload when delta coding is on."""
+    if not (link_mbps > 0 and bytes_per_version >= 0):
+        raise ValueError(f"need link_mbps > 0 and bytes_per_version >= 0, got {link_mbps}, {bytes_per_version}")
+    return bytes_per_version * 8 / (link_mbps * 1e6)
+
+
 def mu_target(mu_min: float, gamma: float = 1.1) -> float:
     """Provisioning target (rollouts/s): mu_min with headroom gamma >= 1 (paper: 1.1)."""
     if gamma < 1.0:

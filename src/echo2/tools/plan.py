@@ -3,7 +3,8 @@
 ::
 
     python -m echo2.plan TOPOLOGY.toml [--set path=value]... [--run RUN_DIR]
-                         [--t-train-s S] [--t-bcast-s S] [--mu NAME=ROLLOUTS_PER_S]... [--json]
+                         [--t-train-s S] [--t-bcast-s S] [--mu NAME=ROLLOUTS_PER_S]...
+                         [--bytes-per-version B] [--link-mbps M] [--json]
 
 Inputs, each declared or measured (later ones win):
 
@@ -14,6 +15,11 @@ Inputs, each declared or measured (later ones win):
   measured mean of a run's learner steps (``--run``), or ``--t-train-s``.
 * ``T_bcast``: the PromptSource's ``t_bcast_s`` (if >= 0), a run's last measurement, or
   ``--t-bcast-s``; else 0.
+* Bytes per version: the median of a run's ``broadcast`` records (``--run``: what each
+  version put on the wire, its delta payload when delta coding was on, beside its dense
+  size), or ``--bytes-per-version``. With ``--link-mbps`` the plan predicts T_bcast from
+  them (``capacity.model.t_bcast_for_bytes``: bytes / Bw), and also shows what dense
+  versions would need, so delta coding's effect on workers and staleness is visible.
 * The pool: every sampler's ``price_per_hour``; its ``mu_i`` from the simulated engine's
   speed (``group_size * min(credits, max_batch_groups)`` rollouts per
   ``seconds_per_token * max_new_tokens`` s), a run's measurement (``--run``: the
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +55,7 @@ from echo2.capacity.model import (
     mu_target,
     predicted_bubble_ratio,
     staleness_bound,
+    t_bcast_for_bytes,
 )
 from echo2.errors import ConfigError
 from echo2.rundir import RunDir
@@ -66,6 +74,10 @@ class PlanInputs:
     unknown_mu: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     prices: dict[str, float] = field(default_factory=dict)  # every sampler's $/h
+    bytes_per_version: float | None = None
+    """On the wire per version (delta payload or dense state), measured or declared."""
+    dense_bytes_per_version: float | None = None
+    link_mbps: float | None = None
 
 
 def inputs_from_topology(topology: Any) -> PlanInputs:
@@ -138,6 +150,14 @@ def apply_run(inputs: PlanInputs, run_dir: Path) -> None:
         train = [r["train_s"] for r in steps if "train_s" in r]
         if train:
             inputs.t_train_s, inputs.sources["t_train_s"] = sum(train) / len(train), f"measured ({run_dir.name})"
+    bcasts = run.all_metrics("broadcast")
+    wire = [float(r.get("wire_bytes", r.get("bytes", 0))) for r in bcasts if r.get("bytes")]
+    if wire:
+        inputs.bytes_per_version = statistics.median(wire)
+        inputs.dense_bytes_per_version = statistics.median(
+            float(r.get("dense_bytes", r["bytes"])) for r in bcasts if r.get("bytes")
+        )
+        inputs.sources["bytes_per_version"] = f"measured ({run_dir.name})"
     acts = [r for r in run.metrics("prompt_source", "activation") if r.get("mu_by_sampler")]
     if acts:
         last = acts[-1]
@@ -168,7 +188,16 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
         "pool_mu": round(sum(w.mu for w in inputs.workers), 6),
         "pool_size": len(inputs.workers),
         "unknown_mu": inputs.unknown_mu,
+        "bytes_per_version": inputs.bytes_per_version,
+        "dense_bytes_per_version": inputs.dense_bytes_per_version,
     }
+    if inputs.link_mbps is not None and inputs.dense_bytes_per_version is not None:
+        dense_t = t_bcast_for_bytes(inputs.dense_bytes_per_version, inputs.link_mbps)
+        plan["t_bcast_dense_s"] = round(dense_t, 6)
+        try:
+            plan["mu_min_dense"] = round(mu_min(inputs.kappa, inputs.R, inputs.t_train_s, dense_t), 6)
+        except ValueError:
+            plan["mu_min_dense"] = None  # out of reach with dense versions
     try:
         minimum = mu_min(inputs.kappa, inputs.R, inputs.t_train_s, inputs.t_bcast_s)
     except ValueError as exc:
@@ -209,6 +238,21 @@ def render(plan: dict[str, Any]) -> str:
         + (f" (no mu for: {', '.join(plan['unknown_mu'])})" if plan["unknown_mu"] else ""),
         "sources: " + ", ".join(f"{k} = {v}" for k, v in plan["sources"].items()),
     ]
+    if plan.get("bytes_per_version") is not None:
+        lines.append(
+            f"bytes per version: {plan['bytes_per_version'] / 2**20:.4g} MiB on the wire"
+            + (
+                f" (dense {plan['dense_bytes_per_version'] / 2**20:.4g} MiB)"
+                if plan.get("dense_bytes_per_version")
+                else ""
+            )
+        )
+    if "t_bcast_dense_s" in plan:
+        dense_mu = plan["mu_min_dense"]
+        lines.append(
+            f"dense versions would take T_bcast = {plan['t_bcast_dense_s']:.4g} s, mu_min = "
+            + (f"{dense_mu:.4g} rollouts/s" if dense_mu is not None else "out of reach")
+        )
     if "mu_min" not in plan:
         lines.append(f"infeasible: {plan['reason']}")
         return "\n".join(lines) + "\n"
@@ -236,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--t-train-s", type=float)
     parser.add_argument("--t-bcast-s", type=float)
     parser.add_argument("--mu", action="append", default=[], metavar="SAMPLER=ROLLOUTS_PER_S")
+    parser.add_argument("--bytes-per-version", type=float, help="bytes a version puts on the wire")
+    parser.add_argument("--link-mbps", type=float, help="per-link bandwidth: T_bcast = bytes per version / link")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
@@ -249,12 +295,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.t_bcast_s is not None:
             inputs.t_bcast_s, inputs.sources["t_bcast_s"] = args.t_bcast_s, "--t-bcast-s"
         _apply_mu_overrides(inputs, args.mu)
+        _apply_bytes(inputs, args.bytes_per_version, args.link_mbps)
         plan = make_plan(inputs)
     except (ConfigError, ValueError) as exc:
         print(f"{args.topology}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(json.dumps(plan, indent=2) + "\n" if args.json else render(plan))
     return 0
+
+
+def _apply_bytes(inputs: PlanInputs, bytes_per_version: float | None, link_mbps: float | None) -> None:
+    """Declared bytes per version, and T_bcast predicted from the bytes over ``link_mbps``."""
+    if bytes_per_version is not None:
+        if not math.isfinite(bytes_per_version) or bytes_per_version < 0:
+            raise ConfigError(f"must be a finite number >= 0, got {bytes_per_version}", path="--bytes-per-version")
+        inputs.bytes_per_version = bytes_per_version
+        inputs.dense_bytes_per_version = inputs.dense_bytes_per_version or bytes_per_version
+        inputs.sources["bytes_per_version"] = "--bytes-per-version"
+    if link_mbps is None:
+        return
+    if not math.isfinite(link_mbps) or link_mbps <= 0:
+        raise ConfigError(f"must be a finite number > 0, got {link_mbps}", path="--link-mbps")
+    if inputs.bytes_per_version is None:
+        raise ConfigError(
+            "needs bytes per version (--bytes-per-version, or a run's broadcast records)", path="--link-mbps"
+        )
+    inputs.link_mbps = link_mbps
+    inputs.t_bcast_s = t_bcast_for_bytes(inputs.bytes_per_version, link_mbps)
+    inputs.sources["t_bcast_s"] = "bytes_per_version / link_mbps"
 
 
 def _apply_mu_overrides(inputs: PlanInputs, overrides: Sequence[str]) -> None:

@@ -3,7 +3,8 @@
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
 (relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
 ``stream`` (chunk streams: bytes straight into place; under ``[security]`` inboxes admit
-only the plan's senders), ``pacing`` (deadlines from measured rate and RTT, repair pacing), ``seal`` (under ``[security]``: versions encrypted once at the
+only the plan's senders), ``pacing`` (deadlines from measured rate and RTT, repair pacing), ``delta`` (a version coded
+as its changes from a base the member holds), ``seal`` (under ``[security]``: versions encrypted once at the
 publisher, opened once per member), ``shm`` (shared memory on one host), ``signing``
 (Ed25519 manifests), ``link`` (link emulation: caps and latency).
 
@@ -40,6 +41,15 @@ dropping, a chunk stream that takes no byte for ``send_timeout_s`` (a ZeroMQ sen
 cannot complete in it: a dead peer) is counted and that peer skipped for the version, and
 every gap ends in a repair. A slow path is not a dead one: a chunk may take longer than
 any timeout as long as its bytes keep moving.
+
+Delta versions (optional, ``delta_anchor_every``): the publisher also codes each version
+against the one before (``WeightBroadcaster.prepare_delta``, off the event loop); members
+that announced that base installed get a plan and a manifest whose chunks carry the delta
+payload (relayed and repaired like any chunks), the others the dense manifest, repaired
+like late joiners. A member rebuilds the state into fresh memory and verifies it against
+the manifest's full-state digests before ``on_complete``; a member without the base, or
+whose rebuild fails, keeps what it has installed and asks for the dense form
+(``ChunkRequest.dense``). Every K-th version is a dense anchor.
 
 Shared memory (optional, ``shm_dir`` on both sides): members on the publisher's host map
 each version from a file the publisher writes once (``echo2.weights.shm``) and verify it

@@ -36,10 +36,10 @@ from echo2.transport.endpoint import (
 from echo2.transport.peers import PeerTable, Refusal
 from echo2.weights.chunks import (
     DEFAULT_CHUNK_BYTES,
-    iter_chunks,
     make_manifest,
     prefaulted_buffer,
 )
+from echo2.weights.delta import DeltaStats, delta_manifest, encode, payload_manifest
 from echo2.weights.link import LinkSpec
 from echo2.weights.pacing import OutstandingRepairs
 from echo2.weights.plan import (
@@ -83,21 +83,62 @@ class _Bcast:
     installed: set[str] = dataclasses.field(default_factory=set)
     t_bcast_s: float | None = None
     reported: bool = False
+    wire_bytes: int = 0
+    """Bytes of the form streamed: the delta payload's for a delta version, else ``total_bytes``."""
+    changed_fraction: float | None = None
+    encode_s: float | None = None
+    delta_members: int = 0
 
 
 TRACKED_VERSIONS = 8
 """Versions whose installs still count toward their T_bcast after newer ones were published."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DeltaForm:
+    """A version's delta form (``echo2.weights.delta``): the payload its chunks carry for
+    members holding the base, its manifest (sign it like the dense one), what encoding
+    found and how long it took."""
+
+    payload: np.ndarray
+    manifest: WeightManifest
+    stats: DeltaStats
+    encode_s: float
+
+    def signed(self, sign: Callable[[WeightManifest], WeightManifest]) -> DeltaForm:
+        return dataclasses.replace(self, manifest=sign(self.manifest))
+
+
+DELTA_MAX_RATIO = 0.8
+"""A delta form is kept only below this payload / state size: above it, encoding and
+rebuilding cost more than the bytes save, and every member takes the dense form."""
+
+
 @dataclasses.dataclass
 class _Version:
     snapshot: Snapshot
     manifest: WeightManifest
+    delta: DeltaForm | None = None
     shm_path: str | None = None
     bcast: _Bcast = dataclasses.field(init=False)
+    delta_members: set[str] = dataclasses.field(default_factory=set)
+    """Members sent the delta form (in its plan; repaired from the payload)."""
 
     def __post_init__(self) -> None:
-        self.bcast = _Bcast(key=self.key, total_bytes=self.manifest.total_bytes)
+        self.bcast = _Bcast(key=self.key, total_bytes=self.manifest.total_bytes, wire_bytes=self.manifest.total_bytes)
+        self._payload_manifest: WeightManifest | None = None
+        if self.delta is not None:
+            self.bcast.changed_fraction = self.delta.stats.changed_fraction
+            self.bcast.encode_s = self.delta.encode_s
+            self._payload_manifest = payload_manifest(self.delta.manifest)
+
+    def form(self, member: str | None = None) -> tuple[np.ndarray, WeightManifest]:
+        """(bytes, manifest chunking them) of the form ``member`` was sent (None: the form
+        the plan carries): the delta payload, or the dense state."""
+        delta = self.delta is not None and (member in self.delta_members if member else bool(self.delta_members))
+        if delta and self.delta is not None and self._payload_manifest is not None:
+            return self.delta.payload, self._payload_manifest
+        return self.snapshot.data, self.manifest
 
     @property
     def key(self) -> PolicyVersion:
@@ -137,13 +178,24 @@ class WeightBroadcaster:
         on_bcast: Callable[[dict[str, Any]], None] | None = None,
         shm_dir: str | None = None,
         sealed: bool = False,
+        delta_anchor_every: int = 0,
+        delta_threads: int = 2,
     ) -> None:
         """``shm_dir``: where versions for members sharing this host are written (None:
         never; every member then gets chunks). ``sealed`` (``[security]``): every version
         is published sealed (``echo2.weights.seal``: ciphertext on every stream, in repair
         and in shared memory) and each plan carries a fresh stream secret that chunk
-        streams prove to inboxes (``echo2.weights.stream``)."""
+        streams prove to inboxes (``echo2.weights.stream``).
+
+        ``delta_anchor_every`` K > 1: versions are also delta-coded against the version
+        published before them (``prepare_delta``), and every K-th is a dense anchor; members
+        that hold that base get the delta form, the others the dense one. 0 or 1: every
+        version dense. Not with ``sealed`` (sealed versions stay dense)."""
         self.sealed = sealed
+        self.delta_anchor_every = delta_anchor_every
+        self.delta_threads = delta_threads
+        self._delta_base: Snapshot | None = None  # the last version prepared, in the clear
+        self._since_anchor = 0
         self._spare: np.ndarray | None = None  # sealed: prefaulted memory for the next ciphertext
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -198,6 +250,10 @@ class WeightBroadcaster:
                 "installs",
                 "shm_versions_written",
                 "shm_failures",
+                "delta_versions",
+                "delta_fallbacks",
+                "delta_dense_members",
+                "delta_dense_requests",
             ),
             0,
         )
@@ -215,15 +271,40 @@ class WeightBroadcaster:
             return seal_version(snapshot, self.chunk_bytes, out=spare)
         return snapshot, make_manifest(snapshot, self.chunk_bytes)
 
-    def publish_nowait(self, snapshot: Snapshot, manifest: WeightManifest | None = None) -> None:
+    def prepare_delta(self, snapshot: Snapshot, manifest: WeightManifest) -> DeltaForm | None:
+        """The delta form of ``snapshot`` (in the clear; ``manifest`` its prepared one)
+        against the version prepared before it, or None: delta off or sealed, an anchor
+        (every ``delta_anchor_every``-th), no base of the same layout, or a payload of at
+        least ``DELTA_MAX_RATIO`` of the state (counted in ``delta_fallbacks``). Call it for
+        every version, in order, off the event loop (CPU-bound, like ``prepare``)."""
+        base, self._delta_base = self._delta_base, snapshot
+        if self.delta_anchor_every <= 1 or self.sealed:
+            return None
+        if base is None or base.tensors != snapshot.tensors or self._since_anchor >= self.delta_anchor_every - 1:
+            self._since_anchor = 0
+            return None
+        started = time.perf_counter()
+        payload, stats = encode(snapshot.data, base.data, snapshot.tensors, threads=self.delta_threads)
+        if stats.ratio >= DELTA_MAX_RATIO:
+            self.counters["delta_fallbacks"] += 1
+            self._since_anchor = 0
+            return None
+        delta = delta_manifest(manifest, base.policy_version, payload, stats)
+        self._since_anchor += 1
+        return DeltaForm(payload, delta, stats, time.perf_counter() - started)
+
+    def publish_nowait(
+        self, snapshot: Snapshot, manifest: WeightManifest | None = None, delta: DeltaForm | None = None
+    ) -> None:
         """Make ``snapshot`` the latest version and start streaming it (the previous
         stream, if still running, stops: only the newest version matters). With a
-        ``manifest``, ``snapshot`` is as ``prepare`` returned it (sealed when ``sealed``)."""
+        ``manifest``, ``snapshot`` is as ``prepare`` returned it (sealed when ``sealed``);
+        with a ``delta`` (``prepare_delta``), members holding its base get that form."""
         if manifest is None:
             snapshot, manifest = self.prepare(snapshot)
         elif self.sealed and not manifest.seal_key:
             raise ValueError("a sealed broadcaster publishes only sealed versions (see prepare)")
-        self._pending = _Version(snapshot, manifest)
+        self._pending = _Version(snapshot, manifest, delta)
         self._new.set()
 
     def members(self) -> list[str]:
@@ -246,6 +327,10 @@ class WeightBroadcaster:
     async def wait_installed(self, key: PolicyVersion, count: int) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: sum(1 for m in self._members.values() if m.installed >= key) >= count)
+
+    def installed_by(self, key: PolicyVersion) -> list[str]:
+        """Members that reported ``key`` (or a later version) installed."""
+        return sorted(name for name, m in self._members.items() if m.installed >= key)
 
     @property
     def latest_key(self) -> PolicyVersion | None:
@@ -322,7 +407,8 @@ class WeightBroadcaster:
         in_stream = message.sampler_id in latest.active
         overdue = now - max(latest.published_s, member.manifest_sent_s) > self.member_ttl_s
         if (joined and not in_stream) or restarted or overdue:
-            # Late joiner (or a member that lost track): the latest version at once.
+            # Late joiner (or a member that lost track): the latest version at once, dense.
+            latest.delta_members.discard(message.sampler_id)
             member.manifest_sent_s = now
             self.counters["late_joiner_manifests"] += 1
             if self._is_local(member):
@@ -371,6 +457,12 @@ class WeightBroadcaster:
                 "mode": self.mode,
                 "sealed": self.sealed,
                 "bytes": version.total_bytes,
+                "dense_bytes": version.total_bytes,
+                "wire_bytes": version.wire_bytes,
+                "delta": version.delta_members > 0,
+                "delta_members": version.delta_members,
+                "changed_fraction": version.changed_fraction,
+                "encode_s": version.encode_s,
             }
         )
 
@@ -458,6 +550,21 @@ class WeightBroadcaster:
         # others' stream starts); the plan covers the others.
         local = [n for n in names if self._is_local(self._members[n])]
         remote = [n for n in names if n not in local]
+        dense_only: list[str] = []
+        if version.delta is not None:
+            base = version.delta.manifest.delta
+            assert base is not None
+            holders = [n for n in remote if self._members[n].installed == (base.base_incarnation, base.base_version)]
+            if 2 * len(holders) >= len(remote) > 0:
+                # The plan carries the delta form; the others (base not held: late,
+                # restarted, behind) repair the dense form from here, like late joiners.
+                version.delta_members = set(holders)
+                dense_only = [n for n in remote if n not in version.delta_members]
+                remote = holders
+                version.bcast.wire_bytes = int(version.delta.payload.nbytes)
+                version.bcast.delta_members = len(holders)
+                self.counters["delta_versions"] += 1
+                self.counters["delta_dense_members"] += len(dense_only)
         stripes, chains = relay_plan(remote, self.mode, self.stripes)
         addresses = {n: self._members[n].address for n in remote}
         plan = RelayPlan(
@@ -475,7 +582,11 @@ class WeightBroadcaster:
             member = self._members[name]
             member.manifest_sent_s = version.published_s
             if await self._send(member.peer, plan):
-                await self._send(member.peer, version.manifest)
+                await self._send(member.peer, self._manifest_for(version, name))
+        for name in dense_only:
+            member = self._members[name]
+            member.manifest_sent_s = version.published_s
+            await self._send(member.peer, version.manifest)
         if local:
             await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, plan))
         else:
@@ -484,6 +595,13 @@ class WeightBroadcaster:
             # Between versions, so that the next one's page faults are not paid while it
             # is sealed (versions keep their size); never a buffer that was streamed.
             self._spare = await asyncio.to_thread(prefaulted_buffer, version.manifest.total_bytes)
+
+    @staticmethod
+    def _manifest_for(version: _Version, member: str) -> WeightManifest:
+        """The manifest ``member`` is sent: the delta one if it takes the delta form."""
+        if version.delta is not None and member in version.delta_members:
+            return version.delta.manifest
+        return version.manifest
 
     async def _offer_shm(self, version: _Version, names: list[str]) -> None:
         for name in names:
@@ -507,7 +625,16 @@ class WeightBroadcaster:
         for chain in plan.chains:
             seeds.setdefault(chain.stripe, []).append(chain.members[0])
         dead: set[str] = set()
-        for chunk in iter_chunks(version.snapshot, version.manifest):
+        # One form per plan: the delta payload when the plan's members took it.
+        data, manifest = version.form()
+        size = manifest.chunk_bytes
+        for index in range(len(manifest.chunk_digests)):
+            chunk = WeightChunk(
+                incarnation=manifest.incarnation,
+                version=manifest.version,
+                index=index,
+                data=data[index * size : (index + 1) * size],
+            )
             for seed in seeds.get(chunk.index % stripes, ()):
                 if seed in dead:
                     continue
@@ -588,15 +715,22 @@ class WeightBroadcaster:
         version = self._latest
         if version is None:
             return
+        if request.dense and request.policy_version == version.key:
+            # The member cannot use the delta form (its base differs, or what it rebuilt
+            # failed verification): the dense form from now on.
+            self.counters["delta_dense_requests"] += 1
+            version.delta_members.discard(request.sampler_id)
+            await self._send(peer, version.manifest)
+            return
         if request.policy_version != version.key:
             if request.policy_version < version.key:
                 await self._send(peer, version.manifest)  # move on to the latest
             return
         member = self._members.get(request.sampler_id)
         stream = member.address if member is not None and is_stream_address(member.address) else ""
-        data = version.snapshot.data
-        n = len(version.manifest.chunk_digests)
-        size = version.manifest.chunk_bytes
+        data, manifest = version.form(request.sampler_id)
+        n = len(manifest.chunk_digests)
+        size = manifest.chunk_bytes
         for index in request.indices:
             if not 0 <= index < n:
                 continue

@@ -40,6 +40,7 @@ from echo2.weights.chunks import (
     SnapshotAssembler,
     prefaulted_buffer,
 )
+from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
     DEFAULT_MAX_OUTSTANDING_BYTES,
@@ -86,6 +87,20 @@ def _senders_to(plan: RelayPlan, member: str) -> set[str]:
 
 def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[str]:
     return [assembler.offer(chunk) for chunk in chunks]
+
+
+def _verify_in_place(assembler: SnapshotAssembler) -> bool:
+    """Offer every chunk of ``assembler``'s buffer where it lies (a rebuilt state); True
+    when all verify against the manifest."""
+    m = assembler.manifest
+    for index, size in enumerate(_chunk_sizes(m)):
+        region = assembler.destination(index, size)
+        if region is None:
+            return False
+        chunk = WeightChunk(incarnation=m.incarnation, version=m.version, index=index, data=region)
+        if assembler.offer(chunk) != "stored":
+            return False
+    return assembler.complete
 
 
 def _chunk_sizes(manifest: WeightManifest) -> list[int]:
@@ -175,6 +190,12 @@ class WeightReceiver:
         self._pacer_key: PolicyVersion | None = None
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
+        # Delta versions (``echo2.weights.delta``): the last complete version's state (the
+        # base a delta rebuilds from; read only), the full manifest of the delta version
+        # whose payload is being assembled, and the version being rebuilt.
+        self._base: tuple[PolicyVersion, np.ndarray] | None = None
+        self._delta_manifest: WeightManifest | None = None
+        self._rebuilding: PolicyVersion | None = None
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
         self._successors: dict[int, str] = {}
@@ -205,6 +226,10 @@ class WeightReceiver:
                 "shm_versions",
                 "shm_failures",
                 "seal_rejected",
+                "delta_versions",
+                "delta_base_missing",
+                "delta_rejected",
+                "dense_requests",
             ),
             0,
         )
@@ -304,7 +329,9 @@ class WeightReceiver:
         return self._complete_key
 
     def newest(self) -> PolicyVersion | None:
-        keys = [k for k in (self._complete_key, self.assembling, self._installed_key) if k is not None]
+        keys = [
+            k for k in (self._complete_key, self.assembling, self._installed_key, self._rebuilding) if k is not None
+        ]
         return max(keys) if keys else None
 
     def statistics(self) -> dict[str, float]:
@@ -443,7 +470,10 @@ class WeightReceiver:
     async def _on_manifest(self, manifest: WeightManifest) -> None:
         key = manifest.policy_version
         newest = self.newest()
-        if newest is not None and key <= newest:
+        # The dense form of the version being assembled as a delta (the publisher moved us
+        # to it) replaces the delta assembly.
+        to_dense = manifest.delta is None and self._delta_manifest is not None and key == self.assembling
+        if newest is not None and key <= newest and not to_dense:
             self.counters["manifests_stale"] += 1
             return
         try:
@@ -461,6 +491,10 @@ class WeightReceiver:
             self.counters["seal_rejected"] += 1
             log.warning("%s: cannot open v%d: %s", self.name, manifest.version, exc)
             return
+        if manifest.delta is not None:
+            await self._on_delta_manifest(manifest)
+            return
+        self._delta_manifest = None
         try:
             mapped = self._map_offered(manifest)
             buffer = mapped if mapped is not None else self._take_spare(manifest.total_bytes)
@@ -470,13 +504,7 @@ class WeightReceiver:
             self.counters["manifests_rejected"] += 1
             log.warning("%s: rejected manifest v%d: %s", self.name, manifest.version, exc)
             return
-        self._assembler = assembler
-        self._meter.progressed()
-        self._apply_plan()
-        early = self._early.pop(key, [])
-        self._early = {k: v for k, v in self._early.items() if k > key}
-        if early:
-            await self._on_chunks(early)
+        await self._start_assembly(assembler)
         if mapped is not None:
             self._shm_key = key
             self.counters["shm_versions"] += 1
@@ -485,6 +513,83 @@ class WeightReceiver:
             # A late joiner, or a member the plan left out (shared memory: what failed to
             # verify): no stream is coming; repair what is missing.
             await self._request_missing(assembler)
+
+    async def _start_assembly(self, assembler: SnapshotAssembler) -> None:
+        key = assembler.key
+        self._assembler = assembler
+        self._meter.progressed()
+        self._apply_plan()
+        early = self._early.pop(key, [])
+        self._early = {k: v for k, v in self._early.items() if k > key}
+        if early:
+            await self._on_chunks(early)
+
+    async def _on_delta_manifest(self, manifest: WeightManifest) -> None:
+        """Assemble a delta version's payload (relayed and repaired like any version's
+        chunks) if we hold its base; else ask for the dense form."""
+        base = base_of(manifest)
+        if manifest.seal_key:
+            # echo2 publishes sealed versions dense only; a sealed delta is not one of ours.
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected manifest v%d: a sealed delta version", self.name, manifest.version)
+            return
+        if self._base is None or self._base[0] != base:
+            self.counters["delta_base_missing"] += 1
+            await self._ask_dense(manifest.policy_version)
+            return
+        try:
+            assembler = SnapshotAssembler(payload_manifest(manifest))
+        except ManifestRejected as exc:
+            self.counters["manifests_rejected"] += 1
+            log.warning("%s: rejected delta manifest v%d: %s", self.name, manifest.version, exc)
+            return
+        self._delta_manifest = manifest
+        await self._start_assembly(assembler)
+        if self._assembler is assembler and not self._in_plan(assembler.key):
+            await self._request_missing(assembler)
+
+    async def _ask_dense(self, key: PolicyVersion) -> None:
+        self.counters["dense_requests"] += 1
+        await self._control.send(
+            ChunkRequest(sampler_id=self.name, incarnation=key.incarnation, version=key.version, indices=[], dense=True)
+        )
+
+    async def _rebuild(self, payload: SnapshotAssembler, manifest: WeightManifest) -> None:
+        """The full state from a complete payload and the base, verified chunk by chunk
+        against the (signed) manifest's full-state digests; only then complete. On any
+        failure the previous version stays installed and the dense form is asked for."""
+        key = manifest.policy_version
+        base = self._base
+        assert base is not None
+        loop = asyncio.get_running_loop()
+
+        spare = self._take_spare(manifest.total_bytes)
+
+        def rebuild() -> SnapshotAssembler | None:
+            state = SnapshotAssembler(manifest, spare)
+            try:
+                decode(payload.plaintext, base[1], state.buffer, threads=self._verify_threads)
+            except (DeltaError, ValueError, IndexError) as exc:  # a payload that passed its digests but lies
+                log.warning("%s: delta v%d does not decode: %s", self.name, key.version, exc)
+                return None
+            return state if _verify_in_place(state) else None
+
+        try:
+            state = await loop.run_in_executor(self._pool, rebuild)
+        finally:
+            self._rebuilding = None
+        newest = self.newest()
+        if newest is not None and newest > key:
+            return  # superseded while rebuilding
+        if state is None:
+            self.counters["delta_rejected"] += 1
+            log.warning(
+                "%s: delta v%d failed verification; keeping v%s, asking for dense", self.name, key.version, newest
+            )
+            await self._ask_dense(key)
+            return
+        self.counters["delta_versions"] += 1
+        self._finish(state)
 
     def _map_offered(self, manifest: WeightManifest) -> np.ndarray | None:
         """The version's bytes mapped from shared memory, if the publisher offered them."""
@@ -555,13 +660,24 @@ class WeightReceiver:
         self._meter.progressed()
         if assembler.complete:
             self._assembler = None
-            self._complete_key = assembler.key
-            self.counters["versions_complete"] += 1
-            # Shared-memory members need no spare for the bytes received, only for those opened.
-            spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
-            self._prepare_spares(assembler.manifest.total_bytes, spares)
-            if self._on_complete is not None:
-                self._on_complete(assembler)
+            delta, self._delta_manifest = self._delta_manifest, None
+            if delta is not None:
+                assert self._group is not None
+                self._rebuilding = assembler.key
+                self._group.create_task(self._rebuild(assembler, delta))
+                return
+            self._finish(assembler)
+
+    def _finish(self, assembler: SnapshotAssembler) -> None:
+        """A version complete and verified: the base of the next delta, and ``on_complete``."""
+        self._complete_key = assembler.key
+        self._base = (assembler.key, assembler.plaintext)
+        self.counters["versions_complete"] += 1
+        # Shared-memory members need no spare for the bytes received, only for those opened.
+        spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
+        self._prepare_spares(assembler.manifest.total_bytes, spares)
+        if self._on_complete is not None:
+            self._on_complete(assembler)
 
     def _on_landed(self, chunk: WeightChunk) -> None:
         """A chunk stream delivered ``chunk`` (event loop thread, from the protocol).

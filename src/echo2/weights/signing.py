@@ -28,7 +28,7 @@ def signed_payload(manifest: WeightManifest) -> bytes:
     """The bytes a signature covers: identity, layout and the snapshot digest, and for a
     sealed version the check that commits it to its content key (so a forged key in a
     signed manifest is refused; the key itself is secret and never signed)."""
-    fields = [
+    fields: list[object] = [
         b"echo2-manifest-v1",
         manifest.incarnation,
         manifest.version,
@@ -40,6 +40,9 @@ def signed_payload(manifest: WeightManifest) -> bytes:
     ]
     if manifest.seal_check:  # unsealed manifests sign exactly what they always did
         fields.append(manifest.seal_check)
+    if manifest.delta is not None:  # and dense ones too: the payload's digest is signed beside the state's
+        d = manifest.delta
+        fields.append([b"delta", d.base_incarnation, d.base_version, d.total_bytes, d.digest])
     return msgspec.msgpack.encode(fields)
 
 
