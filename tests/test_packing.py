@@ -44,6 +44,11 @@ def test_a_sequence_over_the_budget_gets_a_microbatch_of_its_own() -> None:
     assert plan_microbatches([7, 2, 2, 1], 4) == [[[0]], [[1, 2]], [[3]]]
 
 
+def test_settings_reject_a_negative_budget() -> None:
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
+        StepSettings(max_tokens_per_microbatch=-1)
+
+
 def test_packed_layout_restarts_positions_and_segments_per_sequence() -> None:
     prompts = [np.array([1, 2]), np.array([3]), np.array([4])]
     responses = [np.array([5]), np.array([6, 7]), np.array([], dtype=np.int64)]

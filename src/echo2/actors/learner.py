@@ -57,7 +57,7 @@ from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
-from echo2.rl import OldPolicy
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
 from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
@@ -120,7 +120,7 @@ class LearnerConfig(ActorConfig, frozen=True):
     the clip is a trust region around the policy that generated the data) or "learner"
     (the learner's own policy at the step start: ratio 1, the truncated IS weight alone
     corrects for staleness)."""
-    max_tokens_per_microbatch: Annotated[int, Meta(ge=0)] = 0
+    max_tokens_per_microbatch: Annotated[int, Meta(ge=0)] = DEFAULT_MICROBATCH_TOKENS
     """Sequence packing: the batch's sequences (prompt + response) are packed several to a row,
     attention kept inside each, into micro-batches of at most this many tokens (rows x row
     width) whose gradients are accumulated; the loss is still the token mean over the whole

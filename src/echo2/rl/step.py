@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from echo2.messages import ScoredGroup
-from echo2.rl import OLD_POLICIES, OldPolicy
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OLD_POLICIES, OldPolicy
 from echo2.rl.grpo import GRPOStats, group_advantages, grpo_loss
 from echo2.rl.logprobs import sequence_logprobs
 from echo2.rl.packing import pack_sequences, packed_logprobs, plan_microbatches
@@ -134,7 +134,7 @@ class StepSettings:
     decay_steps: int = 0
     """When > 0: after warm-up the rate falls linearly to ``lr * final_lr_ratio`` at this step."""
     final_lr_ratio: float = 0.1
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: int = DEFAULT_MICROBATCH_TOKENS
     """0: the whole batch in one padded forward. N > 0: sequences packed into micro-batches of
     at most N tensor slots (rows x width), gradients accumulated (``echo2.rl.packing``)."""
 
