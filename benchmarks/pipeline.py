@@ -3,6 +3,7 @@
     python benchmarks/pipeline.py [--steps N] [--seconds S] [--json] [--quick] [--check]
                                   [--cases baseline,colocated,multi-S0,multi-S3]
                                   [--timeout S] [--keep]
+    python benchmarks/pipeline.py --packing [--packing-repeats N] [--json] [--check]
 
 Every case trains the shipped warm-started tiny model on 3-digit reversed addition with the
 same hyper-parameters (16 prompts x 8 samples per step, temperature 1, max_new_tokens 5,
@@ -40,6 +41,14 @@ sampling error each, and runs of the multi-process cases are not reproducible â€
 sampler serves which lease depends on timing â€” so two S = 0 runs have differed by 28
 points). ``--check`` exits 1 when a floor fails or a case fails; otherwise the exit code
 is 0.
+
+``--packing`` instead compares the learner's step alone, padded
+(``max_tokens_per_microbatch = 0``) against packed (the default budget), on two batches of
+the job's size: ``mixed`` (addition with 1-9 digits, short problems more often: the
+long-tailed lengths RL batches have) and ``add3`` (the default job's). Tokens/s are the
+batch's prompt + response tokens over one ``optimiser_step``; the two kinds alternate step
+by step on the same batches and the medians are compared. Floor (issue 17): packed >= 1.3x
+padded on ``mixed``.
 
 Timing noise: on a shared machine the two-thread loops ((a) and (b)) suffer most from
 other work (an OpenMP region waits for its slowest thread), the one-thread-per-process
