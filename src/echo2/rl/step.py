@@ -298,16 +298,26 @@ Scorer = Callable[[nn.Module], tuple[Tensor, Tensor]]
 
 def _micro_batches(rows: TrainingRows, max_tokens: int, pad_id: int) -> list[tuple[tuple[int, ...], Scorer]]:
     """(sequence indices, scorer) per micro-batch: the whole batch padded (``max_tokens`` 0),
-    or packed micro-batches of at most ``max_tokens`` tensor slots (``echo2.rl.packing``)."""
+    or micro-batches of at most ``max_tokens`` tensor slots (``echo2.rl.packing``). A
+    micro-batch whose rows hold one sequence each is already the padded layout and runs as
+    such (plain causal attention, no block mask to build)."""
     if max_tokens == 0:
-        everything = tuple(range(len(rows)))
-
-        def padded(m: nn.Module) -> tuple[Tensor, Tensor]:
-            return sequence_logprobs(m, rows.prompts, rows.responses, pad_id=pad_id)
-
-        return [(everything, padded)]
+        return [_padded(rows, tuple(range(len(rows))), pad_id)]
     out: list[tuple[tuple[int, ...], Scorer]] = []
     for plan in plan_microbatches(rows.sequence_lengths, max_tokens):
+        if all(len(row) == 1 for row in plan):
+            out.append(_padded(rows, tuple(row[0] for row in plan), pad_id))
+            continue
         packed = pack_sequences(rows.prompts, rows.responses, plan, pad_id=pad_id)
         out.append((packed.sequences, functools.partial(packed_logprobs, batch=packed)))
     return out
+
+
+def _padded(rows: TrainingRows, indices: tuple[int, ...], pad_id: int) -> tuple[tuple[int, ...], Scorer]:
+    prompts = [rows.prompts[b] for b in indices]
+    responses = [rows.responses[b] for b in indices]
+
+    def padded(m: nn.Module) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(m, prompts, responses, pad_id=pad_id)
+
+    return indices, padded
