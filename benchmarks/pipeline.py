@@ -3,6 +3,7 @@
     python benchmarks/pipeline.py [--steps N] [--seconds S] [--json] [--quick] [--check]
                                   [--cases baseline,colocated,multi-S0,multi-S3]
                                   [--timeout S] [--keep]
+    python benchmarks/pipeline.py --packing [--packing-repeats N] [--json] [--check]
 
 Every case trains the shipped warm-started tiny model on 3-digit reversed addition with the
 same hyper-parameters (16 prompts x 8 samples per step, temperature 1, max_new_tokens 5,
@@ -40,6 +41,14 @@ sampling error each, and runs of the multi-process cases are not reproducible â€
 sampler serves which lease depends on timing â€” so two S = 0 runs have differed by 28
 points). ``--check`` exits 1 when a floor fails or a case fails; otherwise the exit code
 is 0.
+
+``--packing`` instead compares the learner's step alone, padded
+(``max_tokens_per_microbatch = 0``) against packed (the default budget), on two batches of
+the job's size: ``mixed`` (addition with 1-9 digits, short problems more often: the
+long-tailed lengths RL batches have) and ``add3`` (the default job's). Tokens/s are the
+batch's prompt + response tokens over one ``optimiser_step``; the two kinds alternate step
+by step on the same batches; the floor's figure is the median of the per-step ratios. Floor
+(issue 17): packed >= 1.3x padded on ``mixed``.
 
 Timing noise: on a shared machine the two-thread loops ((a) and (b)) suffer most from
 other work (an OpenMP region waits for its slowest thread), the one-thread-per-process
@@ -473,6 +482,157 @@ def _failure_context(launcher_log: Path, run_dir: Path | None) -> list[str]:
     return lines
 
 
+# -- learner packing: padded vs packed steps on mixed lengths -----------------------------
+
+PACKING_BUDGET = 4096
+"""max_tokens_per_microbatch of the packed learner (the learner's default)."""
+PACKING_REPEATS = 9
+PACKING_FLOOR = 1.3
+PACKING_BATCHES = ("mixed", "add3")
+
+
+def packing_rows(batch: str, *, seed: int = 0) -> Any:
+    """One learner batch (``GROUPS_PER_STEP`` x ``GROUP_SIZE`` rows) of addition problems.
+
+    ``mixed``: each group's problem has 1-9 digits, short ones more often (P(d) ~ 1/d), as
+    response lengths in RL are long-tailed: sequences of 6 to 31 tokens. ``add3``: the
+    default job's 3-digit problems, 12-13 tokens each (nothing to pack). Responses are the
+    reversed answers + EOS, as the warm start samples them; behaviour log-probs and
+    advantages are random (they change what is learnt, not the cost).
+    """
+    import random
+
+    import numpy as np
+
+    from echo2.models.tokenizer import EOS_ID, CharTokenizer
+    from echo2.rl.step import TrainingRows
+    from echo2.tasks.addition import AdditionTask
+
+    rng, gen = random.Random(f"packing-{batch}-{seed}"), np.random.default_rng(seed)
+    tok = CharTokenizer()
+    prompts, responses = [], []
+    for g in range(GROUPS_PER_STEP):
+        digits = rng.choices(range(1, 10), weights=[1 / d for d in range(1, 10)])[0] if batch == "mixed" else 3
+        prompt = next(AdditionTask(digits=digits).prompts(seed * 1000 + g))
+        ids = np.array(tok.encode_prompt(prompt.text), dtype=np.int32)
+        answer = np.array([*tok.encode(prompt.answer), EOS_ID], dtype=np.int32)
+        for _ in range(GROUP_SIZE):
+            prompts.append(ids)
+            stop = len(answer) if rng.random() < 0.75 else rng.randint(1, len(answer))  # a quarter stop early
+            responses.append(answer[:stop])
+    n = len(prompts)
+    return TrainingRows(
+        prompts=tuple(prompts),
+        responses=tuple(responses),
+        behaviour_logprobs=tuple(gen.uniform(-2.0, -0.1, size=len(r)).astype(np.float32) for r in responses),
+        advantages=gen.normal(size=n).astype(np.float32),
+        rewards=np.zeros(n, np.float32),
+        sampler_ids=("bench",) * n,
+    )
+
+
+def run_packing(
+    batch: str = "mixed",
+    *,
+    repeats: int = PACKING_REPEATS,
+    budget: int = PACKING_BUDGET,
+    threads: int = BASELINE_THREADS,
+) -> dict[str, Any]:
+    """Learner tokens/s of the padded step and the packed step on the same batches, same run.
+
+    Each repeat times one ``optimiser_step`` of each kind (the order alternating, after one
+    untimed warm-up of each) on the warm start, on a fresh batch; tokens are the batch's
+    prompt + response tokens (the same for both kinds). Reported: the medians, and packed /
+    padded as the median of the per-repeat ratios (the floor's) and as a ratio of medians.
+    """
+    import statistics
+
+    import torch
+
+    from echo2.models import default_checkpoint_dir
+    from echo2.models.tiny import TinyTransformer
+    from echo2.models.tokenizer import PAD_ID
+    from echo2.rl.step import StepSettings, optimiser_step
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kinds = {"padded": 0, "packed": budget}
+        models = {kind: TinyTransformer.load(default_checkpoint_dir()).train() for kind in kinds}
+        optimizers = {kind: torch.optim.AdamW(m.parameters(), lr=LR) for kind, m in models.items()}
+        rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+        fill: list[float] = []
+        for repeat in range(repeats + 1):
+            rows = packing_rows(batch, seed=repeat)
+            lengths = rows.sequence_lengths
+            fill.append(sum(lengths) / (len(lengths) * max(lengths)))
+            order = list(kinds) if repeat % 2 else list(reversed(kinds))
+            for kind in order:
+                settings = StepSettings(lr=LR, warmup_steps=WARMUP_STEPS, max_tokens_per_microbatch=kinds[kind])
+                t0 = time.perf_counter()
+                optimiser_step(models[kind], optimizers[kind], rows, settings, version=repeat, pad_id=PAD_ID)
+                if repeat:  # repeat 0 warms up
+                    rates[kind].append(sum(lengths) / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(previous_threads)
+    medians = {kind: statistics.median(r) for kind, r in rates.items()}
+    # Paired: the two steps of a repeat run back to back, so load drifting on a shared
+    # machine cancels in their ratio better than in a ratio of medians (reported as well).
+    paired = statistics.median(a / b for a, b in zip(rates["packed"], rates["padded"], strict=True))
+    return {
+        "batch": batch,
+        "rows": GROUPS_PER_STEP * GROUP_SIZE,
+        "max_tokens_per_microbatch": budget,
+        "padded_fill": _num(statistics.median(fill), 3),
+        "repeats": repeats,
+        "tokens_per_s_median": {kind: _num(m, 1) for kind, m in medians.items()},
+        "tokens_per_s": {kind: [_num(x, 1) for x in r] for kind, r in rates.items()},
+        "packed_over_padded": _num(paired, 3),
+        "ratio_of_medians": _num(medians["packed"] / medians["padded"], 3),
+    }
+
+
+def packing_floor(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's floor: packed learner tokens/s >= 1.3x padded on the mixed-length batch."""
+    mixed = next((r for r in results if r["batch"] == "mixed"), None)
+    value = None if mixed is None else mixed["packed_over_padded"]
+    result = "SKIP" if value is None else ("PASS" if value >= PACKING_FLOOR else "FAIL")
+    return {
+        "floor": f"packed learner tokens/s >= {PACKING_FLOOR}x padded (mixed)",
+        "value": value,
+        "min": PACKING_FLOOR,
+        "result": result,
+    }
+
+
+def packing_main(args: argparse.Namespace) -> int:
+    results = []
+    for batch in PACKING_BATCHES:
+        print(f".. packing: {batch} batch, {args.packing_repeats} repeats", file=sys.stderr, flush=True)
+        results.append(run_packing(batch, repeats=args.packing_repeats, threads=args.packing_threads))
+    floor = packing_floor(results)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        print(json.dumps({"floors": [floor]}))
+    else:
+        print(f"{'batch':<6} {'fill':>5} {'padded tok/s':>12} {'packed tok/s':>12} {'packed/padded':>13}")
+        for r in results:
+            m = r["tokens_per_s_median"]
+            print(
+                f"{r['batch']:<6} {r['padded_fill']:>5.2f} {m['padded']:>12.0f} {m['packed']:>12.0f} "
+                f"{r['packed_over_padded']:>13.2f}"
+            )
+        print(
+            f"\nmedians of {args.packing_repeats} steps each; packed/padded: median of the per-step ratios; "
+            "fill: real tokens / padded tensor slots"
+        )
+        print(f"  {floor['result']:4}  {floor['floor']}: {floor['value']} (min {floor['min']:g})")
+    return 1 if (args.check and floor["result"] == "FAIL") else 0
+
+
 # -- comparison ----------------------------------------------------------------------------
 
 
@@ -603,7 +763,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per echo2 run before it is stopped")
     parser.add_argument("--keep", action="store_true", help="keep the echo2 run directories (paths on stderr)")
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="instead: learner tokens/s of padded vs packed steps on mixed-length and 3-digit batches",
+    )
+    parser.add_argument("--packing-repeats", type=int, default=PACKING_REPEATS, help="timed steps of each kind")
+    parser.add_argument("--packing-threads", type=int, default=BASELINE_THREADS, help="torch threads of the steps")
     args = parser.parse_args(argv)
+    if args.packing:
+        return packing_main(args)
     cases = [c for c in args.cases.split(",") if c]
     unknown = sorted(set(cases) - set(CASES))
     if unknown or not cases:

@@ -68,3 +68,20 @@ def test_baseline_runs_three_steps(pipeline) -> None:  # type: ignore[no-untyped
 def test_baseline_rejects_zero_steps(pipeline) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         pipeline.run_baseline(0)
+
+
+def test_packing_comparison_times_both_kinds_on_the_same_batches(pipeline) -> None:  # type: ignore[no-untyped-def]
+    mixed = pipeline.packing_rows("mixed")
+    assert len(mixed) == pipeline.GROUPS_PER_STEP * pipeline.GROUP_SIZE
+    assert 6 <= min(mixed.sequence_lengths) and max(mixed.sequence_lengths) <= 32  # the tiny model's table
+    assert len(set(mixed.sequence_lengths)) > 5  # really mixed
+
+    result = pipeline.run_packing("mixed", repeats=1, threads=1)
+    assert result["padded_fill"] < 0.8
+    assert [len(result["tokens_per_s"][kind]) for kind in ("padded", "packed")] == [1, 1]
+    assert result["packed_over_padded"] == pytest.approx(
+        result["tokens_per_s_median"]["packed"] / result["tokens_per_s_median"]["padded"], rel=1e-2
+    )
+    floor = pipeline.packing_floor([result])
+    assert floor["result"] == ("PASS" if result["packed_over_padded"] >= pipeline.PACKING_FLOOR else "FAIL")
+    assert pipeline.packing_floor([])["result"] == "SKIP"

@@ -124,6 +124,12 @@ CASES = [
     ("kappa-negative", sub("kappa = 1", "kappa = -1"), "actors.learner.config.kappa", ">= 0"),
     ("lr-negative", sub("lr = 3e-4", "lr = -3e-4"), "actors.learner.config.lr", ">= 0.0"),
     (
+        "microbatch-tokens-negative",
+        sub("lr = 3e-4,", "lr = 3e-4, max_tokens_per_microbatch = -1,"),
+        "actors.learner.config.max_tokens_per_microbatch",
+        ">= 0",
+    ),
+    (
         "lease-ttl-negative",
         sub("lease_ttl_s = 30.0", "lease_ttl_s = -1.0"),
         "actors.prompt_source.config.lease_ttl_s",

@@ -103,8 +103,8 @@ class Bigram(nn.Module):
         super().__init__()
         self.W = nn.Parameter(torch.zeros(vocab, vocab))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.W[ids]  # (B, T, V)
+    def forward(self, ids: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+        return self.W[ids]  # (B, T, V): no context, so packed rows (positions, segments) change nothing
 
 
 def two_rows(behaviour_first: float = -math.log(4)) -> TrainingRows:

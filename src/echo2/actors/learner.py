@@ -57,7 +57,7 @@ from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
-from echo2.rl import OldPolicy
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
 from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
@@ -120,6 +120,12 @@ class LearnerConfig(ActorConfig, frozen=True):
     the clip is a trust region around the policy that generated the data) or "learner"
     (the learner's own policy at the step start: ratio 1, the truncated IS weight alone
     corrects for staleness)."""
+    max_tokens_per_microbatch: Annotated[int, Meta(ge=0)] = DEFAULT_MICROBATCH_TOKENS
+    """Sequence packing: the batch's sequences (prompt + response) are packed several to a row,
+    attention kept inside each, into micro-batches of at most this many tokens (rows x row
+    width) whose gradients are accumulated; the loss is still the token mean over the whole
+    batch. 0 = no packing: one padded forward of the whole batch. A sequence longer than the
+    budget gets a micro-batch of its own."""
     kappa: Annotated[int, Meta(ge=0)] = 0
     """Publish a snapshot every kappa steps; 0 = max(1, S - 1)."""
     eval_every: Annotated[int, Meta(ge=0)] = 50
@@ -518,6 +524,7 @@ def step_settings(config: LearnerConfig) -> StepSettings:
         old_policy=config.old_policy,  # StepSettings rejects anything but "sampler" and "learner"
         decay_steps=config.max_steps if config.lr_schedule == "linear" else 0,
         final_lr_ratio=config.final_lr_ratio,
+        max_tokens_per_microbatch=config.max_tokens_per_microbatch,
     )
 
 

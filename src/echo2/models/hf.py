@@ -5,7 +5,8 @@
 - :func:`load_hf` reads a local directory (``config.json`` + safetensors + tokenizer files)
   with ``local_files_only=True``; no hub access is ever attempted.
 - :class:`LogitsLM` makes an HF model look like the built-in one to the learner:
-  ``model(ids) -> (B, T, V) logits``.
+  ``model(ids) -> (B, T, V) logits``, and for packed rows
+  ``model(ids, positions=..., segment_ids=...)``.
 - Wire form: tensors travel as numpy arrays. numpy has no bfloat16, so a bf16 tensor travels
   as its raw bits in ``uint16`` (``tensor.view(torch.uint16)``); the real dtype is the model's
   own (both ends load the same model spec with the same dtype), and :func:`from_wire` views
@@ -96,15 +97,36 @@ def unique_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class LogitsLM(nn.Module):
-    """``(B, T)`` ids -> ``(B, T, V)`` logits over an HF causal LM (no attention mask:
-    the learner's rows are left-aligned and right-padded, which causal attention handles)."""
+    """``(B, T)`` ids -> ``(B, T, V)`` logits over an HF causal LM.
+
+    Padded rows (left-aligned, right-padded) need no attention mask: causal attention never
+    looks at the padding after a real token. Packed rows (``echo2.rl.packing``) pass
+    ``positions`` restarting at 0 per sequence and no attention mask, from which transformers
+    (5.x ``masking_utils.find_packed_sequence_indices``) builds the block-diagonal causal mask
+    for sdpa and eager attention. Its flash-attention kernels read sequence boundaries from
+    ``position_ids`` only in a batch of one row, so for those the rows are laid end to end
+    into one row first (exact: every sequence starts at position 0, padding included).
+    ``segment_ids`` are implied by the positions and not passed on.
+    """
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=ids, use_cache=False).logits  # (B, T, V)
+    def forward(
+        self,
+        ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions is None:
+            return self.hf(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        B, T = ids.shape
+        if B > 1 and "flash" in str(getattr(self.hf.config, "_attn_implementation", "")):
+            logits = self.hf(input_ids=ids.reshape(1, -1), position_ids=positions.reshape(1, -1), use_cache=False)
+            return logits.logits.reshape(B, T, -1)  # (B, T, V)
+        return self.hf(input_ids=ids, position_ids=positions, use_cache=False).logits  # (B, T, V)
 
 
 def load_hf(

@@ -12,8 +12,10 @@ docs/models-and-engines.md). The architecture is a plain nanoGPT-style decoder:
 - an optional preallocated :class:`KVCache` makes incremental decoding O(T) per step.
 
 Left-padded batches (prompts of different lengths decoded together) are supported with a
-``key_padding_mask`` and explicit ``positions``; right-padded batches (the learner's layout)
-need neither, since causal attention never looks at the padding after a real token.
+``key_padding_mask`` and explicit ``positions``; right-padded batches (the learner's padded
+layout) need neither, since causal attention never looks at the padding after a real token.
+Packed rows (several sequences per row, ``echo2.rl.packing``) pass ``positions`` restarting
+at 0 per sequence and ``segment_ids``: attention is then causal *and* inside a segment.
 
 Checkpoints are a directory holding ``model.safetensors`` and ``config.json``.
 """
@@ -201,6 +203,7 @@ class TinyTransformer(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for every position of ``ids``.
 
@@ -212,6 +215,8 @@ class TinyTransformer(nn.Module):
             key_padding_mask: (B, cache.length + T) bool, True for real tokens. Padding keys
                 are never attended to (except by the padding query itself, which keeps
                 every softmax row non-empty).
+            segment_ids: (B, T) int, packed rows only (no cache, explicit ``positions``): a
+                token attends to the earlier tokens of its own segment only.
 
         Returns:
             (B, T, vocab_size) float logits.
@@ -220,11 +225,21 @@ class TinyTransformer(nn.Module):
         past = cache.length if cache is not None else 0
         total = past + T
         limit = self.config.max_seq_len if cache is None else min(cache.max_len, self.config.max_seq_len)
-        if total > limit:
-            raise ValueError(f"sequence of {total} tokens exceeds the limit of {limit}")
+        if segment_ids is not None:
+            if cache is not None or key_padding_mask is not None or positions is None:
+                raise ValueError("segment_ids (packed rows) need positions, and neither a cache nor a key_padding_mask")
+            # a packed row may be wider than the positional table; each of its sequences may not
+            longest = int(positions.max()) + 1 if positions.numel() else 0
+            if longest > limit:
+                raise ValueError(f"sequence of {longest} tokens exceeds the limit of {limit}")
+            attn_mask: torch.Tensor | None = self._segment_mask(segment_ids)
+            is_causal = False
+        else:
+            if total > limit:
+                raise ValueError(f"sequence of {total} tokens exceeds the limit of {limit}")
+            attn_mask, is_causal = self._attention_mask(B, T, past, key_padding_mask, ids.device)
         if positions is None:
             positions = torch.arange(past, total, device=ids.device).expand(B, T)  # (B, T)
-        attn_mask, is_causal = self._attention_mask(B, T, past, key_padding_mask, ids.device)
         x = self.tok_emb(ids) + self.pos_emb(positions)  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             x = block(x, layer, cache, attn_mask, is_causal)  # (B, T, C)
@@ -253,6 +268,14 @@ class TinyTransformer(nn.Module):
             mask = mask & key_padding_mask[:, None, None, :]  # (B, 1, T, S)
             mask = mask | (k_pos == q_pos)  # (B, 1, T, S): a padding query sees itself
         return mask, False
+
+    @staticmethod
+    def _segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal causal mask (B, 1, T, T) of packed rows: causal within a segment."""
+        T = segment_ids.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids.device).tril()  # (T, T)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+        return (same & causal)[:, None]  # (B, 1, T, T)
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Write ``model.safetensors`` and ``config.json`` into ``directory`` (created)."""

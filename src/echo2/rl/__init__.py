@@ -7,3 +7,7 @@ OldPolicy = Literal["sampler", "learner"]
 """pi_old of the PPO ratio (``LearnerConfig.old_policy``; see ``echo2.rl.step``). Defined
 here, without torch, so that configs can name it."""
 OLD_POLICIES: tuple[OldPolicy, ...] = get_args(OldPolicy)
+
+DEFAULT_MICROBATCH_TOKENS = 4096
+"""Default ``max_tokens_per_microbatch``: the tiny model's default batch (16 x 8 rows of at most
+32 tokens) in one packed micro-batch; for larger models, a bound on each forward's activations."""

@@ -5,6 +5,8 @@ Variant (the loss itself is ``echo2.rl.grpo.grpo_loss``):
   pack:   every kept completion of every group is a row b = (prompt, response, behaviour
           log-probs, A_b, sampler); A = group_advantages over the group's kept rewards
   step:   logp = log pi_theta(response | prompt)                                  (B, T)
+          [packed: per micro-batch of packed rows, ``echo2.rl.packing``; each micro-batch's
+           grpo_loss weighted by its tokens / the batch's tokens, gradients accumulated]
           pi_old = pi_sampler (old_policy = "sampler", the default) or sg(pi_theta) ("learner")
           loss = grpo_loss(logp, pi_old, pi_sampler, A, mask)   token mean over the whole batch
           lr_t = lr * min(1, (t + 1) / warmup_steps)  [x linear decay to final_lr_ratio, optional]
@@ -20,6 +22,9 @@ Choices and deviations:
 - Advantages are computed over the *kept* completions of a group only (a completion whose
   reward failed is no row and no part of the baseline); the group decides, never the batch.
 - One optimiser step per batch (no PPO epochs, no minibatches); the paper does not say.
+  Micro-batches (``max_tokens_per_microbatch > 0``) only split the computation: the loss is
+  still the token mean over the whole batch, normalised by the batch's total token count,
+  not per micro-batch, so it equals the padded path's up to float summation order.
 - The batch may be split over data-parallel ranks (``Share``): each rank scores its rows,
   and the loss is scaled so that gradients averaged over ranks are those of the token mean
   over the *whole* batch; the reported loss and token means are also of the whole batch.
@@ -28,6 +33,8 @@ Choices and deviations:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,9 +44,10 @@ import torch
 from torch import Tensor, nn
 
 from echo2.messages import ScoredGroup
-from echo2.rl import OLD_POLICIES, OldPolicy
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OLD_POLICIES, OldPolicy
 from echo2.rl.grpo import GRPOStats, group_advantages, grpo_loss
 from echo2.rl.logprobs import sequence_logprobs
+from echo2.rl.packing import pack_sequences, packed_logprobs, plan_microbatches
 
 
 class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +67,11 @@ class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
     def tokens(self) -> int:
         """Response tokens in the batch: what the token mean divides by."""
         return sum(len(r) for r in self.responses)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """Prompt + response tokens of each row: what it occupies of the model's input."""
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses, strict=True)]
 
     @property
     def reward_mean(self) -> float:
@@ -121,10 +134,15 @@ class StepSettings:
     decay_steps: int = 0
     """When > 0: after warm-up the rate falls linearly to ``lr * final_lr_ratio`` at this step."""
     final_lr_ratio: float = 0.1
+    max_tokens_per_microbatch: int = DEFAULT_MICROBATCH_TOKENS
+    """0: the whole batch in one padded forward. N > 0: sequences packed into micro-batches of
+    at most N tensor slots (rows x width), gradients accumulated (``echo2.rl.packing``)."""
 
     def __post_init__(self) -> None:
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {', '.join(OLD_POLICIES)}, got {self.old_policy!r}")
+        if self.max_tokens_per_microbatch < 0:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 0, got {self.max_tokens_per_microbatch}")
 
     def learning_rate(self, version: int) -> float:
         """Linear warm-up over the first ``warmup_steps`` steps, then ``lr`` (or, with
@@ -204,57 +222,102 @@ def optimiser_step(
     """One GRPO optimiser step of ``model`` on ``rows`` at learner ``version``; see the module docstring."""
     if not len(rows):
         raise ValueError("a training step needs at least one row")
-    logp, mask = sequence_logprobs(model, rows.prompts, rows.responses, pad_id=pad_id)  # (B, T), (B, T)
-    behaviour = torch.zeros_like(logp)  # (B, T)
-    for b, lp in enumerate(rows.behaviour_logprobs):
-        behaviour[b, : len(lp)] = torch.from_numpy(np.array(lp, dtype=np.float32))
-    logp_ref = None
-    if reference is not None:
-        with torch.no_grad():
-            logp_ref, _ = sequence_logprobs(reference, rows.prompts, rows.responses, pad_id=pad_id)  # (B, T)
-    advantages = torch.from_numpy(np.array(rows.advantages, dtype=np.float32)).to(logp.device)  # (B,)
-    loss, stats = grpo_loss(
-        logp,
-        behaviour if settings.old_policy == "sampler" else None,
-        behaviour,
-        advantages,
-        mask,
-        clip_eps=settings.clip_eps,
-        is_cap=settings.is_cap,
-        kl_beta=settings.kl_beta,
-        logp_ref=logp_ref,
-    )
-
-    # Totals of this share, summed over every share: tokens, loss and stats weighted by
-    # tokens, and per sampler (log-prob gap, tokens).
+    device = next(model.parameters()).device
+    # Every micro-batch's loss is its own token mean; weighted by its share of the whole
+    # batch's tokens (summed over ranks; DDP averages over them), the accumulated gradient
+    # is that of the token mean over the whole batch (a weight of exactly 1 for one padded
+    # micro-batch in one process).
+    local_tokens = torch.tensor([float(rows.tokens)], dtype=torch.float64, device=device)
+    batch_tokens = max(float(share.sum_over_ranks(local_tokens)[0]), 1.0)
     samplers = share.samplers if share.samplers is not None else tuple(dict.fromkeys(rows.sampler_ids))
-    index = torch.tensor([samplers.index(s) for s in rows.sampler_ids], device=logp.device)  # (B,)
-    with torch.no_grad():
-        gap = ((behaviour - logp) * mask).sum(dim=1).double()  # (B,)
-        per_sampler = torch.zeros(len(samplers), 2, dtype=torch.float64, device=logp.device)  # (S, 2)
-        per_sampler[:, 0].index_add_(0, index, gap)
-        per_sampler[:, 1].index_add_(0, index, mask.sum(dim=1).double())
-    tokens = stats.tokens
-    local = [tokens, loss.item() * tokens, *(getattr(stats, name) * tokens for name in _MEANS)]
-    head = torch.tensor(local, dtype=torch.float64, device=logp.device)  # (2 + len(_MEANS),)
-    totals = share.sum_over_ranks(torch.cat([head, per_sampler.flatten()]))
-    batch_tokens = float(totals[0])
+    sampler_index = [samplers.index(s) for s in rows.sampler_ids]  # (B,)
 
     for param_group in optimizer.param_groups:
         param_group["lr"] = settings.learning_rate(version)
     optimizer.zero_grad(set_to_none=True)
-    # grpo_loss is this share's token mean; rescaled, the gradient averaged over ranks is the
-    # whole batch's token mean (a factor of exactly 1 in one process).
-    (loss * (share.ranks * tokens / max(batch_tokens, 1.0))).backward()
+    # This share's totals: tokens, loss and stats weighted by tokens, per sampler (gap, tokens).
+    head = torch.zeros(2 + len(_MEANS), dtype=torch.float64, device=device)  # (2 + len(_MEANS),)
+    per_sampler = torch.zeros(len(samplers), 2, dtype=torch.float64, device=device)  # (S, 2)
+    parts = _micro_batches(rows, settings.max_tokens_per_microbatch, pad_id)
+    for k, (indices, score) in enumerate(parts):
+        # gradients are synchronised over ranks once, in the last micro-batch's backward
+        last = k == len(parts) - 1
+        with contextlib.nullcontext() if last else _without_gradient_sync(model):
+            logp, mask = score(model)  # (n, T), (n, T)
+            behaviour = torch.zeros_like(logp)  # (n, T)
+            for i, b in enumerate(indices):
+                lp = rows.behaviour_logprobs[b]
+                behaviour[i, : len(lp)] = torch.from_numpy(np.array(lp, dtype=np.float32))
+            logp_ref = None
+            if reference is not None:
+                with torch.no_grad():
+                    logp_ref, _ = score(reference)  # (n, T)
+            advantages = torch.from_numpy(np.array(rows.advantages[list(indices)], dtype=np.float32)).to(device)
+            loss, stats = grpo_loss(
+                logp,
+                behaviour if settings.old_policy == "sampler" else None,
+                behaviour,
+                advantages,  # (n,)
+                mask,
+                clip_eps=settings.clip_eps,
+                is_cap=settings.is_cap,
+                kl_beta=settings.kl_beta,
+                logp_ref=logp_ref,
+            )
+            (loss * (share.ranks * stats.tokens / batch_tokens)).backward()
+        with torch.no_grad():
+            tokens = stats.tokens
+            local = [tokens, loss.item() * tokens, *(getattr(stats, name) * tokens for name in _MEANS)]
+            head += torch.tensor(local, dtype=torch.float64, device=device)
+            index = torch.tensor([sampler_index[b] for b in indices], device=device)  # (n,)
+            per_sampler[:, 0].index_add_(0, index, ((behaviour - logp) * mask).sum(dim=1).double())
+            per_sampler[:, 1].index_add_(0, index, mask.sum(dim=1).double())
+    totals = share.sum_over_ranks(torch.cat([head, per_sampler.flatten()]))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
     optimizer.step()
 
-    denominator = max(batch_tokens, 1.0)
-    means = {name: float(totals[2 + k]) / denominator for k, name in enumerate(_MEANS)}
+    means = {name: float(totals[2 + k]) / batch_tokens for k, name in enumerate(_MEANS)}
     gaps = totals[2 + len(_MEANS) :].reshape(len(samplers), 2).tolist()
     return StepStats(
-        loss=float(totals[1]) / denominator,
+        loss=float(totals[1]) / batch_tokens,
         grad_norm=float(grad_norm),
-        objective=GRPOStats(tokens=batch_tokens, **means),
+        objective=GRPOStats(tokens=float(totals[0]), **means),
         mismatch_by_sampler={s: round(g / max(n, 1.0), 6) for s, (g, n) in zip(samplers, gaps, strict=True)},
     )
+
+
+def _without_gradient_sync(model: nn.Module) -> contextlib.AbstractContextManager[object]:
+    """DDP's ``no_sync()`` (backward accumulates locally); a no-op for a plain module."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
+Scorer = Callable[[nn.Module], tuple[Tensor, Tensor]]
+"""A micro-batch's ``model -> (logp (n, T), mask (n, T))`` of its sequences, in its order."""
+
+
+def _micro_batches(rows: TrainingRows, max_tokens: int, pad_id: int) -> list[tuple[tuple[int, ...], Scorer]]:
+    """(sequence indices, scorer) per micro-batch: the whole batch padded (``max_tokens`` 0),
+    or micro-batches of at most ``max_tokens`` tensor slots (``echo2.rl.packing``). A
+    micro-batch whose rows hold one sequence each is already the padded layout and runs as
+    such (plain causal attention, no block mask to build)."""
+    if max_tokens == 0:
+        return [_padded(rows, tuple(range(len(rows))), pad_id)]
+    out: list[tuple[tuple[int, ...], Scorer]] = []
+    for plan in plan_microbatches(rows.sequence_lengths, max_tokens):
+        if all(len(row) == 1 for row in plan):
+            out.append(_padded(rows, tuple(row[0] for row in plan), pad_id))
+            continue
+        packed = pack_sequences(rows.prompts, rows.responses, plan, pad_id=pad_id)
+        out.append((packed.sequences, functools.partial(packed_logprobs, batch=packed)))
+    return out
+
+
+def _padded(rows: TrainingRows, indices: tuple[int, ...], pad_id: int) -> tuple[tuple[int, ...], Scorer]:
+    prompts = [rows.prompts[b] for b in indices]
+    responses = [rows.responses[b] for b in indices]
+
+    def padded(m: nn.Module) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(m, prompts, responses, pad_id=pad_id)
+
+    return indices, padded
