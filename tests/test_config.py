@@ -34,6 +34,11 @@ ENUM_TYPOS = {
         "learnr",
         "Expected one of 'learner', 'sampler', got 'learnr'",
     ),
+    "actors.learner.config.loss": (
+        "gpso",
+        "Expected one of 'cispo', 'geo_sequence_mask', 'gspo', 'ppo_is', 'tis_sequence_mask', 'tis_token_mask', "
+        "got 'gpso'",
+    ),
     "actors.learner.config.lr_schedule": ("cosine", "Expected one of 'constant', 'linear', got 'cosine'"),
     "actors.learner.config.model_dtype": (
         "bfloat",

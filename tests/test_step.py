@@ -193,6 +193,7 @@ def test_stats_record_carries_only_what_the_step_measured() -> None:
         "clip_fraction",
         "is_weight_mean",
         "is_truncated_fraction",
+        "is_masked_fraction",
         "approx_kl_sampler",
         "mismatch_by_sampler",
     }

@@ -69,6 +69,11 @@ deadline passed with no result: re-issue), ``late`` (a result for a lease alread
 expired), ``dropped`` (not trainable; ``LeaseClosed.reason`` says why), ``rejected`` (the
 lease holder's group failed admission, ``reason`` is a ``RejectReason``: re-issue at once)."""
 
+ZERO_VARIANCE = "zero_variance"
+"""``LeaseClosed.reason`` (outcome ``dropped``) of a group the Buffer dropped because its
+rewards all equal each other (DAPO dynamic sampling, ``BufferConfig.drop_zero_variance``):
+the task is settled, not re-issued, and its place in the window goes to a new prompt."""
+
 RejectReason = Literal[
     "unknown_lease",
     "wrong_token",
@@ -269,8 +274,8 @@ class BufferStats(Statistics, frozen=True):
     groups_dropped_after_store: int = 0
     batches_served: int = 0
     dropped: dict[str, int] = {}
-    """Groups dropped, by reason (``duplicate``, ``late``, ``stale``, ``overflow``, the
-    Rewarder's reasons)."""
+    """Groups dropped, by reason (``duplicate``, ``late``, ``stale``, ``overflow``,
+    ``zero_variance`` (dynamic sampling), the Rewarder's reasons)."""
     stored_now: int = 0
     learner_version: int = 0
     reward_failures: dict[str, int] = {}
@@ -518,6 +523,14 @@ class ScoredGroup(Message, frozen=True):
     dropped_reason: str = ""
     item_errors: dict[str, int] = {}
     reward_s: float = 0.0
+
+    @property
+    def zero_reward_variance(self) -> bool:
+        """The kept completions' rewards all equal each other (or fewer than two are kept):
+        every group advantage is exactly 0 (``echo2.rl.grpo.group_advantages``), so the group
+        would cost a learner step's compute and carry no gradient."""
+        kept = self.rewards[self.keep.astype(bool)]  # (K,)
+        return bool(kept.size < 2 or (kept == kept[0]).all())
 
 
 class ExpireLease(Message, frozen=True):

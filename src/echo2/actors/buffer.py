@@ -10,6 +10,13 @@ Admission (bounded staleness): a group made by version ``v`` is admissible for a
 at version ``t`` only if ``v >= t - S``; with ``S = 0`` only the current version trains.
 Groups are handed out oldest first, which keeps staleness low.
 
+Dynamic sampling (DAPO; ``drop_zero_variance``, off by default): a group whose rewards all
+equal each other has advantage 0 for every completion and trains nothing, so it is dropped
+on arrival as ``dropped`` with reason ``zero_variance`` (counted in ``BufferStats.dropped``;
+its own outcome in the audit, not a loss). Its lease settles like any drop: the
+PromptSource does not re-issue the task, and the freed window slot leases a new prompt,
+so batches fill with groups that carry a gradient.
+
 Rejections: a group the Rewarder refused at admission arrives as ``GroupRejected`` and is
 counted by reason and sampler (``BufferStats.rejected``, ``rejected_by_sampler``; ledger
 ``rejected`` naming the sampler). When it was the lease holder's, the lease is closed as
@@ -41,6 +48,7 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.actors.admission import rollout_group_max_bytes
 from echo2.messages import (
+    ZERO_VARIANCE,
     Batch,
     BatchClampReason,
     BatchRequest,
@@ -67,6 +75,10 @@ class BufferConfig(ActorConfig, frozen=True):
     max_groups: Annotated[int, Meta(ge=1)] = 4096
     """Most groups held; beyond it the oldest are dropped as ``overflow`` (a safety net:
     the PromptSource's window normally keeps the store far smaller)."""
+    drop_zero_variance: bool = False
+    """DAPO dynamic sampling: drop a group whose kept rewards all equal each other (no
+    gradient) on arrival, reason ``zero_variance``; a new prompt takes its place. A task
+    budget (``max_tasks``) is then spent faster than one group per trained group."""
 
 
 class Buffer(Actor):
@@ -303,6 +315,10 @@ class Buffer(Actor):
             self._drop("stale")
             self._seen_tasks.add(g.task_id)
             await self._close(scored, "dropped", "stale")
+        elif self.config.drop_zero_variance and scored.zero_reward_variance:
+            self._drop(ZERO_VARIANCE)
+            self._seen_tasks.add(g.task_id)
+            await self._close(scored, "dropped", ZERO_VARIANCE)
         else:
             self._store.append(scored)
             self._seen_tasks.add(g.task_id)

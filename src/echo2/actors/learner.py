@@ -12,7 +12,8 @@ kept) and hands the rows to its trainer (``echo2.training``), chosen by configur
   policy at the step start: the ratio is 1, the clip inactive, and ``min(pi_learner /
   pi_sampler, is_cap)`` alone corrects for staleness. Token mean over every response token
   of the batch, optional ``kl_beta * k3`` to the initial policy, linear warm-up, gradient
-  clipping;
+  clipping. ``loss`` picks another off-policy correction instead (masked IS at the token,
+  sequence or geometric-mean level, GSPO, CISPO: ``echo2.rl.corrections``);
 * a simulated step (``simulated_train_s > 0``): the step sleeps, the weights stay;
 * a step shared over data-parallel ranks (kind ``distributed_learner``, ``echo2.actors.distributed_learner``).
 
@@ -57,7 +58,7 @@ from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
-from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OldPolicy
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, LossName, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
 from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
@@ -126,6 +127,22 @@ class LearnerConfig(ActorConfig, frozen=True):
     width) whose gradients are accumulated; the loss is still the token mean over the whole
     batch. 0 = no packing: one padded forward of the whole batch. A sequence longer than the
     budget gets a micro-batch of its own."""
+    loss: LossName = "ppo_is"
+    """The objective (``echo2.rl.corrections``): "ppo_is" (decoupled PPO with the truncated IS
+    weight above), "tis_token_mask" / "tis_sequence_mask" / "geo_sequence_mask" (masked IS:
+    a token, or a whole sequence by its product or geometric-mean ratio pi_learner /
+    pi_sampler, outside [mask_low, mask_high] carries no gradient), "gspo" (sequence ratio,
+    clipped to [1 - gspo_clip_low, 1 + gspo_clip_high]) or "cispo" (REINFORCE with the IS
+    weight pi_learner / pi_sampler clipped to [0, is_cap], detached)."""
+    mask_low: Annotated[float, Meta(gt=0)] = 0.5
+    """Lower end of the masked-IS band (a ratio below it is masked); less than ``mask_high``."""
+    mask_high: Annotated[float, Meta(gt=0)] = 2.0
+    """Upper end of the masked-IS band (a ratio above it is masked). A geometric mean sits far
+    closer to 1 than a token's or a sequence's ratio: "geo_sequence_mask" wants a tighter band."""
+    gspo_clip_low: Annotated[float, Meta(ge=0, le=1)] = 3e-4
+    """GSPO: the sequence ratio's clip below 1 (the paper's 3e-4)."""
+    gspo_clip_high: Annotated[float, Meta(ge=0)] = 4e-4
+    """GSPO: the sequence ratio's clip above 1 (the paper's 4e-4)."""
     kappa: Annotated[int, Meta(ge=0)] = 0
     """Publish a snapshot every kappa steps; 0 = max(1, S - 1)."""
     eval_every: Annotated[int, Meta(ge=0)] = 50
@@ -525,6 +542,11 @@ def step_settings(config: LearnerConfig) -> StepSettings:
         decay_steps=config.max_steps if config.lr_schedule == "linear" else 0,
         final_lr_ratio=config.final_lr_ratio,
         max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+        loss=config.loss,
+        mask_low=config.mask_low,
+        mask_high=config.mask_high,
+        gspo_clip_low=config.gspo_clip_low,
+        gspo_clip_high=config.gspo_clip_high,
     )
 
 

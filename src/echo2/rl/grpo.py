@@ -55,6 +55,7 @@ class GRPOStats:
     approx_kl_sampler: float  # mean(logp_sampler - logp): sampler/learner mismatch (k1)
     ratio_mean: float  # mean pi_theta / pi_prox
     tokens: float  # sum(mask)
+    is_masked_fraction: float = 0.0  # tokens a masked-IS correction zeroed (echo2.rl.corrections)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -87,7 +88,7 @@ def grpo_loss(
     logp_ref: Tensor | None = None,
 ) -> tuple[Tensor, GRPOStats]:
     """Decoupled-PPO GRPO loss (scalar, differentiable w.r.t. `logp`) and its stats."""
-    _check_shapes(logp, logp_prox, logp_sampler, advantages, mask, logp_ref)
+    check_shapes(logp, logp_prox, logp_sampler, advantages, mask, logp_ref)
     if kl_beta != 0.0 and logp_ref is None:
         raise ValueError("kl_beta != 0 needs logp_ref")
     if is_cap is not None and is_cap <= 0:
@@ -130,7 +131,7 @@ def grpo_loss(
     return loss, stats
 
 
-def _check_shapes(
+def check_shapes(
     logp: Tensor,
     logp_prox: Tensor | None,
     logp_sampler: Tensor,

@@ -1,6 +1,7 @@
 """One learner step of off-policy GRPO: pack scored groups into rows, take one optimiser step.
 
-Variant (the loss itself is ``echo2.rl.grpo.grpo_loss``):
+Variant (the loss itself is ``echo2.rl.grpo.grpo_loss``, or the correction ``loss`` names in
+``echo2.rl.corrections``):
 
   pack:   every kept completion of every group is a row b = (prompt, response, behaviour
           log-probs, A_b, sampler); A = group_advantages over the group's kept rewards
@@ -44,8 +45,9 @@ import torch
 from torch import Tensor, nn
 
 from echo2.messages import ScoredGroup
-from echo2.rl import DEFAULT_MICROBATCH_TOKENS, OLD_POLICIES, OldPolicy
-from echo2.rl.grpo import GRPOStats, group_advantages, grpo_loss
+from echo2.rl import DEFAULT_MICROBATCH_TOKENS, LOSSES, OLD_POLICIES, LossName, OldPolicy
+from echo2.rl.corrections import policy_loss
+from echo2.rl.grpo import GRPOStats, group_advantages
 from echo2.rl.logprobs import sequence_logprobs
 from echo2.rl.packing import pack_sequences, packed_logprobs, plan_microbatches
 
@@ -137,12 +139,21 @@ class StepSettings:
     max_tokens_per_microbatch: int = DEFAULT_MICROBATCH_TOKENS
     """0: the whole batch in one padded forward. N > 0: sequences packed into micro-batches of
     at most N tensor slots (rows x width), gradients accumulated (``echo2.rl.packing``)."""
+    loss: LossName = "ppo_is"
+    """The objective (``echo2.rl.corrections.policy_loss``); ``old_policy`` applies to "ppo_is"."""
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    """The band [mask_low, mask_high] of the masked-IS losses' ratio test."""
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
 
     def __post_init__(self) -> None:
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {', '.join(OLD_POLICIES)}, got {self.old_policy!r}")
         if self.max_tokens_per_microbatch < 0:
             raise ValueError(f"max_tokens_per_microbatch must be >= 0, got {self.max_tokens_per_microbatch}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
 
     def learning_rate(self, version: int) -> float:
         """Linear warm-up over the first ``warmup_steps`` steps, then ``lr`` (or, with
@@ -178,6 +189,7 @@ class StepStats:
             out["clip_fraction"] = self.objective.clip_fraction
             out["is_weight_mean"] = self.objective.is_weight_mean
             out["is_truncated_fraction"] = self.objective.is_truncated_fraction
+            out["is_masked_fraction"] = self.objective.is_masked_fraction
             out["approx_kl_sampler"] = self.objective.approx_kl_sampler
             out["mismatch_by_sampler"] = dict(self.mismatch_by_sampler)
         return out
@@ -205,7 +217,15 @@ class Share:
 WHOLE_BATCH = Share()
 
 # Token means of GRPOStats that the whole batch's stats are rebuilt from (weighted by tokens).
-_MEANS = ("clip_fraction", "is_weight_mean", "is_truncated_fraction", "kl", "approx_kl_sampler", "ratio_mean")
+_MEANS = (
+    "clip_fraction",
+    "is_weight_mean",
+    "is_truncated_fraction",
+    "kl",
+    "approx_kl_sampler",
+    "ratio_mean",
+    "is_masked_fraction",
+)
 
 
 def optimiser_step(
@@ -253,14 +273,19 @@ def optimiser_step(
                 with torch.no_grad():
                     logp_ref, _ = score(reference)  # (n, T)
             advantages = torch.from_numpy(np.array(rows.advantages[list(indices)], dtype=np.float32)).to(device)
-            loss, stats = grpo_loss(
+            loss, stats = policy_loss(
+                settings.loss,
                 logp,
-                behaviour if settings.old_policy == "sampler" else None,
                 behaviour,
                 advantages,  # (n,)
                 mask,
+                old_policy=settings.old_policy,
                 clip_eps=settings.clip_eps,
                 is_cap=settings.is_cap,
+                mask_low=settings.mask_low,
+                mask_high=settings.mask_high,
+                gspo_clip_low=settings.gspo_clip_low,
+                gspo_clip_high=settings.gspo_clip_high,
                 kl_beta=settings.kl_beta,
                 logp_ref=logp_ref,
             )

@@ -8,7 +8,9 @@ Several run directories (one per host of a multi-host run) are merged. Reads
 violation, 2 when a directory holds no ledger.
 
 Per task (one prompt's group), the Buffer decides exactly once: ``accepted`` or
-``rejected`` (late, duplicate, stale on arrival, reward failure). An accepted group then
+``rejected`` (late, duplicate, stale on arrival, reward failure), or dropped by dynamic
+sampling (``zero_variance``: all rewards equal, no gradient; counted apart, since it is a
+choice, not a refusal: the task is settled and a new prompt takes its place). An accepted group then
 ends as exactly one of: ``trained`` (by the Learner), ``dropped`` (stale while waiting,
 overflow), ``unconsumed`` (still stored when the run ended) or handed to the learner in the
 batch it had requested when the run ended (in flight at shutdown).
@@ -46,6 +48,7 @@ from pathlib import Path
 from typing import assert_never
 
 from echo2 import ledger
+from echo2.messages import ZERO_VARIANCE
 from echo2.rundir import RunDir
 
 VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "impossible_version", "late_accepted")
@@ -65,6 +68,8 @@ class AuditReport:
     unconsumed: int = 0
     in_flight_at_end: int = 0
     abandoned: int = 0
+    zero_variance: int = 0
+    """Groups dropped on arrival by dynamic sampling (all rewards equal): settled, not lost."""
     voided_by_resume: int = 0
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
@@ -146,6 +151,8 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
                 accepted[e.task] = e.lease
                 sampler_of[e.task] = e.sampler
                 accepted_order.append((e.task, e.lease))
+            case ledger.Rejected() if e.outcome == "dropped" and e.reason == ZERO_VARIANCE:
+                report.zero_variance += 1
             case ledger.Rejected():
                 rejected[e.label] += 1
                 if e.outcome == "rejected":
@@ -221,6 +228,8 @@ def _summary_lines(report: AuditReport) -> list[str]:
         f"unconsumed at end {report.unconsumed}, in flight at end {report.in_flight_at_end}, "
         f"abandoned tasks {report.abandoned}",
     ]
+    if report.zero_variance:
+        lines.append(f"dropped for zero reward variance (dynamic sampling, not lost): {report.zero_variance}")
     for name in VIOLATIONS:
         items = getattr(report, name)
         culprits = f" by sampler {report.culprits[name]}" if name in report.culprits else ""

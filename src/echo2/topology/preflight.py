@@ -12,7 +12,8 @@ before any process starts, not later with a traceback inside a child:
   all of a dataset's rows, a sample of an endless stream), the tokenizer loaded alone,
   without the model's weights;
 * relations that cannot work: a Buffer, a PromptSource window or a task budget smaller
-  than one learner batch (``job.groups_per_step``): no step could ever be trained;
+  than one learner batch (``job.groups_per_step``): no step could ever be trained; a
+  learner's masked-IS band with ``mask_low >= mask_high``;
 * addresses (``echo2.topology.addresses``, derived once here as ``resolve`` will): a
   cross-host binder on a loopback address, tcp ports past 65535 or clashing on one machine;
   and the tcp ports this launcher's processes bind must be free here (a note when they lie
@@ -83,6 +84,11 @@ def check_relations(topology: Topology) -> None:
             raise ConfigError(
                 f"{config.max_groups} is less than {batch}: no batch could ever be served",
                 path=f"{where}.max_groups",
+            )
+        if isinstance(config, LearnerConfig) and config.mask_low >= config.mask_high:
+            raise ConfigError(
+                f"{config.mask_high:g} is not above mask_low = {config.mask_low:g}: the masked-IS band is empty",
+                path=f"{where}.mask_high",
             )
         if isinstance(config, PromptSourceConfig):
             if 0 < config.max_inflight_groups < job.groups_per_step:
