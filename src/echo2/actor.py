@@ -37,6 +37,7 @@ from echo2.messages import Message, Statistics
 from echo2.rundir import JsonLinesWriter, RunDir
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES, OnFull, SocketKind
+from echo2.transport.recording import RecordingSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,7 @@ class ActorContext:
         started_at: float | None = None,
         curve: Any = None,
         resume: bool = False,
+        recording: RecordingSettings | None = None,
     ) -> None:
         self.actor_name = actor_name
         self.process = process
@@ -169,6 +171,7 @@ class ActorContext:
         self._curve = curve  # echo2.transport.auth.CurveSettings, or None
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
+        self._recording = recording
         layout = RunDir(run_dir) if run_dir is not None else None
         self._metrics = JsonLinesWriter(layout.metrics_path(actor_name)) if layout is not None else None
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
@@ -212,6 +215,14 @@ class ActorContext:
             **overrides,
         )
         self._endpoints.append(endpoint)
+        if self._recording is not None and self.run_dir is not None and self._recording.records(self.actor_name, port):
+            endpoint.record_to(
+                RunDir(self.run_dir).recording_path(self.actor_name, port),
+                actor=self.actor_name,
+                port=port,
+                socket=spec.socket,
+                max_bytes=self._recording.max_bytes,
+            )
         return endpoint
 
     @property

@@ -32,6 +32,7 @@ from echo2.errors import ActorFailed
 from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
+from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.runtime")
 
@@ -54,6 +55,7 @@ class ProcessRuntime:
         transport: Transport | None = None,
         curve: CurveSettings | None = None,
         resume: bool = False,
+        recording: RecordingSettings | None = None,
     ) -> None:
         self.actors = list(actors)
         self.process = process
@@ -69,6 +71,7 @@ class ProcessRuntime:
         self._telemetry_curve_servers = tuple(telemetry_curve_servers)
         self._curve = curve
         self.resume = resume
+        self._recording = recording
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -143,6 +146,7 @@ class ProcessRuntime:
                         telemetry=telemetry,
                         curve=self._curve,
                         resume=self.resume,
+                        recording=self._recording,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)

@@ -34,6 +34,7 @@ from echo2.launch import exits
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
+from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.launch.child")
 
@@ -47,7 +48,8 @@ def _configure_logging(process: str) -> None:
     )
 
 
-def _set_torch_threads(threads: int) -> None:
+def set_torch_threads(threads: int) -> None:
+    """Torch intra-op threads of this process (0: leave torch alone), as the topology says."""
     if threads <= 0:
         return
     import torch
@@ -170,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved = ResolvedTopology.load(args.topology)
     watch.log_path = RunDir(Path(resolved.run_dir)).log_path(args.process)
     spec = resolved.processes[args.process]
-    _set_torch_threads(spec.torch_threads)
+    set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
     run_dir = Path(resolved.run_dir)
 
@@ -189,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             drain_timeout_s=resolved.run.drain_timeout_s,
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
+            recording=RecordingSettings(
+                channels=frozenset(resolved.run.record), max_bytes=int(resolved.run.record_max_mb * 1e6)
+            ),
         )
         signals.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, signals)
