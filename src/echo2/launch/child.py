@@ -34,7 +34,6 @@ from echo2.launch import exits
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
-from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.launch.child")
 
@@ -191,9 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drain_timeout_s=resolved.run.drain_timeout_s,
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
-            recording=RecordingSettings(
-                channels=frozenset(resolved.run.record), max_bytes=int(resolved.run.record_max_mb * 1e6)
-            ),
+            recording=resolved.recording,
         )
         signals.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, signals)
