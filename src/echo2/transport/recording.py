@@ -49,6 +49,7 @@ DEFAULT_FLUSH_S = 0.5
 _PREFIX = struct.Struct("<BdH")  # direction, time_s, frame count
 _LENGTH = struct.Struct("<I")
 _FILE_HEAD = struct.Struct("<8sBI")  # magic, format version, header length
+_JOIN_MAX_BYTES = 64 * 1024
 
 Direction = Literal["received", "sent"]
 
@@ -137,10 +138,15 @@ class Recorder:
             self.close()
             return
         now = time.monotonic()
-        file.write(_PREFIX.pack(direction, now - self._started, len(views)))
+        parts: list[Any] = [_PREFIX.pack(direction, now - self._started, len(views))]
         for view in views:
-            file.write(_LENGTH.pack(view.nbytes))
-            file.write(view)
+            parts.append(_LENGTH.pack(view.nbytes))
+            parts.append(view)
+        if size <= _JOIN_MAX_BYTES:
+            file.write(b"".join(parts))  # one call: the per-call cost dominates small records
+        else:
+            for part in parts:  # large arrays are written from their frames, not copied
+                file.write(part)
         self.bytes_written += size
         self.records += 1
         if now - self._last_flush >= self._flush_s:
