@@ -107,3 +107,17 @@ def test_metrics_compare_with_equality_and_leave_timings_out() -> None:
     compared, differences = compare_metrics(recorded, off_by_one_ulp)
     assert compared == 1
     assert [(d.field, d.recorded, d.replayed) for d in differences] == [("loss", 0.1 + 0.2, 0.3)]
+
+
+def test_a_second_incarnation_records_beside_the_first_never_over_it(tmp_path: Path) -> None:
+    codec = Codec(BatchRequest)
+    paths = []
+    for incarnation in range(2):
+        recorder = Recorder(tmp_path / "a.p.rec", recording_header("a", "p", "pull", 0, BatchRequest))
+        recorder.received(
+            codec.encode(BatchRequest(request_id=incarnation, incarnation=incarnation, version=0, num_groups=1))
+        )
+        recorder.close()
+        paths.append(recorder.path)
+    assert paths == [tmp_path / "a.p.rec", tmp_path / "a.p.rec.1"]
+    assert [codec.decode(Recording.read(p).messages[0].frames).request_id for p in paths] == [0, 1]

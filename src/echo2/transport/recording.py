@@ -19,7 +19,9 @@ peer's routing id, a SUB's or XPUB's with the topic (``RecordingHeader.envelope_
 Size is bounded: past ``max_bytes`` the recorder writes one log line and records nothing
 more (``truncated``), so a recording never fills a disk silently. Writes are buffered and
 flushed every ``flush_s``: a process killed with SIGKILL loses at most that much, and a
-reader drops a record cut mid-write (``Recording.cut_tail``).
+reader drops a record cut mid-write (``Recording.cut_tail``). A process that records a port
+whose file exists (restarted, resumed) writes ``<file>.1``, ``<file>.2``, ...; a replay
+reads the first, the traffic of an actor that started from nothing.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class Recorder:
         max_bytes: int = DEFAULT_MAX_BYTES,
         flush_s: float = DEFAULT_FLUSH_S,
     ) -> None:
-        self.path = Path(path)
+        self.path = _unused_path(Path(path))
         self.max_bytes = max_bytes
         self.truncated = False
         """True once the cap was reached: nothing after that point is in the file."""
@@ -109,7 +111,7 @@ class Recorder:
         self._flush_s = flush_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         encoded = msgspec.msgpack.encode(header)
-        self._file: BinaryIO | None = open(self.path, "wb")
+        self._file: BinaryIO | None = open(self.path, "xb")
         self._file.write(_FILE_HEAD.pack(MAGIC, FORMAT_VERSION, len(encoded)) + encoded)
         self.bytes_written = _FILE_HEAD.size + len(encoded)
         self._started = time.monotonic()
@@ -157,6 +159,19 @@ class Recorder:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _unused_path(path: Path) -> Path:
+    """``path``, or when a recording is there already (a restarted or resumed process),
+    ``path.1``, ``path.2``, ...: an earlier incarnation's traffic is never overwritten."""
+    if not path.exists():
+        return path
+    for index in range(1, 10_000):
+        candidate = path.with_name(f"{path.name}.{index}")
+        if not candidate.exists():
+            log.info("%s exists (an earlier incarnation's); recording to %s", path, candidate)
+            return candidate
+    raise FileExistsError(f"{path}: no free name for another recording")
 
 
 @dataclasses.dataclass(frozen=True)
