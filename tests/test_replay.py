@@ -61,7 +61,7 @@ async def test_replaying_the_learners_batch_channel_reproduces_its_losses(tmp_pa
 
     result = await replay(run.root, "learner", out_dir=tmp_path / "replayed")
 
-    assert (result.port, result.delivered) == ("batch", 2)
+    assert (result.ports, result.delivered) == (["batch"], {"batch": 2})
     assert _losses(tmp_path / "replayed") == recorded  # == on the floats as written
     assert result.matches, result.differences
     assert result.compared == 2
@@ -89,7 +89,7 @@ def test_a_launched_run_replays_from_the_command_line_for_its_first_steps(tmp_pa
     )
     assert replayed.returncode == 0, replayed.stdout[-2000:] + replayed.stderr[-3000:]
     printed = json.loads(replayed.stdout)
-    assert (printed["delivered"], printed["records_compared"], printed["matches"]) == (2, 2, True)
+    assert (printed["delivered"], printed["records_compared"], printed["matches"]) == ({"batch": 2}, 2, True)
     assert _losses(out) == _losses(run_dir)[:2]
     summary = json.loads(RunDir(out).summary_path.read_text())
     # Asked for a third batch the replay does not give: stopped after its second step.

@@ -1,23 +1,26 @@
 """Replay a recorded port into one actor, offline, and compare what it records.
 
-    python -m echo2.replay RUN_DIR ACTOR [--port PORT] [--steps N] [--out DIR]
+    python -m echo2.replay RUN_DIR ACTOR [--port PORT ...] [--steps N] [--out DIR]
 
 Builds ``ACTOR`` as the run's process did (its config and the job from
 ``RUN_DIR/topology.resolved.json``, its process's torch thread count; the seeds are the
 job's), alone in this process, and runs it with every port on an inproc socket of its own:
 
-* the replayed port (``RUN_DIR/recordings/ACTOR.PORT.rec``, ``[run] record``) gets the
-  recorded frames, unchanged, in order. What the actor received is released once the actor
-  has sent as many messages on that port as it had when the message arrived in the run, so
+* each replayed port (``RUN_DIR/recordings/ACTOR.PORT.rec``, ``[run] record``; default:
+  every port of the actor that has a recording) gets the recorded frames, unchanged, in
+  order. What the actor received is released once the actor has sent as many messages on
+  that port as it had when the message arrived in the run, so
   on a request/reply port (the learner's ``batch``) each request is answered by the reply
   recorded for it, and a stream (``pull``, ``sub``) is fed at once;
 * every other port is a sink: what the actor sends is received and counted, nothing is sent
   to it.
 
-It stops when the actor returns by itself (the learner at ``max_steps``) or, once the
-recorded messages (or the first ``--steps`` of them) are delivered, when the actor asks for
-more on a request/reply port, or after ``--idle-s`` without output on a stream port. Its
-metrics, ledger and summary go to ``--out`` (default ``RUN_DIR/replays/ACTOR.PORT-<time>``),
+Several ports replay together, each paced by its own: a Buffer needs its ``scored`` stream
+to answer the ``batch`` requests. It stops when the actor returns by itself (the learner at
+``max_steps``) or, once the recorded messages (or the first ``--steps`` of each port) are
+delivered, when the actor asks for more on a request/reply port, then, with a stream port,
+after ``--idle-s`` without output. Its metrics, ledger and summary go to ``--out`` (default
+``RUN_DIR/replays/ACTOR.PORTS-<time>``),
 and each metrics record is compared with the run's, field by field, timings (``*_s``) left
 out. Exit 0: every compared record is equal; 1: a difference (printed); 2: bad arguments.
 """
@@ -44,7 +47,7 @@ from echo2.messages import PROTOCOL_VERSION
 from echo2.rundir import RECORDING_SUFFIX, RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.topology import ResolvedTopology
-from echo2.transport import Endpoint, SocketOptions, Transport
+from echo2.transport import Endpoint, PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.endpoint import SocketKind
 from echo2.transport.recording import RecordedMessage, Recording
 
@@ -85,9 +88,12 @@ class FieldDifference:
 @dataclasses.dataclass(frozen=True)
 class ReplayResult:
     actor: str
-    port: str
-    delivered: int
-    """Recorded messages handed to the actor."""
+    ports: list[str]
+    """The replayed ports."""
+    delivered: dict[str, int]
+    """Per replayed port: recorded messages handed to the actor."""
+    sent_by_actor: dict[str, int]
+    """Per replayed port: messages the actor sent on it in the replay."""
     out_dir: Path
     compared: int
     """Metrics records compared with the run's (the shorter of the two, per kind)."""
@@ -110,15 +116,14 @@ def deliveries(messages: Sequence[RecordedMessage]) -> tuple[list[Delivery], int
     return out, sent
 
 
-def recorded_port(run: RunDir, actor: str, port: str | None) -> str:
-    """``port``, or the one port of ``actor`` that has a recording; ``ConfigError`` if none."""
-    if port is not None:
-        return port
+def recorded_ports(run: RunDir, actor: str, ports: Sequence[str]) -> list[str]:
+    """``ports``, or every port of ``actor`` that has a recording; ``ConfigError`` if none."""
+    if ports:
+        return list(ports)
     found = sorted(p.name.removeprefix(f"{actor}.").removesuffix(RECORDING_SUFFIX) for p in _recordings_of(run, actor))
-    if len(found) != 1:
-        listed = ", ".join(found) or "none"
-        raise ConfigError(f"--port: {actor!r} has {len(found)} recordings in {run.recordings_dir} ({listed}); name one")
-    return found[0]
+    if not found:
+        raise ConfigError(f"ACTOR: {actor!r} has no recording in {run.recordings_dir} (record one with [run] record)")
+    return found
 
 
 def _recordings_of(run: RunDir, actor: str) -> list[Path]:
@@ -140,29 +145,15 @@ def build_actor(resolved: ResolvedTopology, name: str) -> tuple[Actor, int]:
     raise ConfigError(f"ACTOR: no actor {name!r} in this run (actors: {known})")
 
 
-async def replay(
-    run_dir: Path,
-    actor_name: str,
-    *,
-    port: str | None = None,
-    steps: int = 0,
-    out_dir: Path | None = None,
-    idle_s: float = 2.0,
-) -> ReplayResult:
-    """Replay ``run_dir``'s recording of ``actor_name.port`` into a fresh actor (see the module)."""
-    run = RunDir(run_dir)
-    if not run.is_run_dir():
-        raise ConfigError(f"RUN_DIR: {run.root} has no {run.topology_path.name}")
-    resolved = ResolvedTopology.load(run.topology_path)
-    actor, threads = build_actor(resolved, actor_name)
-    port = recorded_port(run, actor_name, port)
+def read_port_recording(run: RunDir, actor: Actor, port: str) -> Recording:
+    """The recording of ``actor.port`` (its first incarnation's); ``ConfigError`` if none."""
     if port not in actor.ports:
         raise ConfigError(
-            f"--port: actor {actor_name!r} has no port {port!r} (ports: {', '.join(sorted(actor.ports))})"
+            f"--port: actor {actor.name!r} has no port {port!r} (ports: {', '.join(sorted(actor.ports))})"
         )
-    path = run.recording_path(actor_name, port)
+    path = run.recording_path(actor.name, port)
     if not path.is_file():
-        raise ConfigError(f'--port: no recording {path} (record it with run.record = ["{actor_name}.{port}"])')
+        raise ConfigError(f'--port: no recording {path} (record it with run.record = ["{actor.name}.{port}"])')
     recording = Recording.read(path)
     if recording.header.protocol_version != PROTOCOL_VERSION:
         raise DecodeError(
@@ -170,16 +161,32 @@ async def replay(
         )
     if recording.cut_tail:
         log.warning("%s: the last record was cut mid-write and is left out", path)
-    recorded, sent_total = deliveries(recording.messages)
-    todo = recorded[:steps] if steps else recorded
-    # On a request/reply port the actor asking for what comes next (the first message not
-    # delivered, or past the recording's end) is the end of the replay.
-    asks_for_more = recorded[len(todo)].sent_before if len(todo) < len(recorded) else sent_total
-    out = out_dir or run.replays_dir / f"{actor_name}.{port}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return recording
+
+
+async def replay(
+    run_dir: Path,
+    actor_name: str,
+    *,
+    ports: Sequence[str] = (),
+    steps: int = 0,
+    out_dir: Path | None = None,
+    idle_s: float = 2.0,
+) -> ReplayResult:
+    """Replay ``run_dir``'s recordings of ``actor_name``'s ``ports`` (default: every one it
+    has) into a fresh actor; ``steps``: only the first that many messages of each."""
+    run = RunDir(run_dir)
+    if not run.is_run_dir():
+        raise ConfigError(f"RUN_DIR: {run.root} has no {run.topology_path.name}")
+    resolved = ResolvedTopology.load(run.topology_path)
+    actor, threads = build_actor(resolved, actor_name)
+    replayed = recorded_ports(run, actor_name, ports)
+    recordings = {port: read_port_recording(run, actor, port) for port in replayed}
+    out = out_dir or run.replays_dir / f"{actor_name}.{'+'.join(replayed)}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=False)
     set_torch_threads(threads)
 
-    kind = actor.ports[port].socket
+    activity = Activity()
     addresses = {name: _addresses(actor_name, name, spec.bind) for name, spec in actor.ports.items()}
     async with contextlib.AsyncExitStack() as stack:
         transport = Transport()
@@ -188,7 +195,10 @@ async def replay(
             name: _open_peer(transport, actor_name, name, _PEER_KIND[spec.socket], addresses[name])
             for name, spec in actor.ports.items()
         }
-        feeder = Feeder(peers[port], kind, todo, asks_for_more)
+        feeders = {
+            port: Feeder(peers[port], actor.ports[port].socket, recording.messages, steps, activity)
+            for port, recording in recordings.items()
+        }
         runtime = ProcessRuntime(
             [actor],
             {actor_name: addresses},
@@ -197,20 +207,32 @@ async def replay(
             transport=transport,
             drain_timeout_s=_DRAIN_TIMEOUT_S,
         )
+        streams = any(actor.ports[port].socket in _STREAM_KINDS for port in feeders)
         async with asyncio.TaskGroup() as group:
             runner = group.create_task(runtime.run(), name="replay:runtime")
             await runtime.wait_ready()
-            sinks = [group.create_task(feeder.drain(peer), name=f"replay:sink:{n}") for n, peer in peers.items()]
-            feeding = group.create_task(feeder.feed(), name="replay:feed")
-            ended = group.create_task(feeder.wait_end(idle_s if kind in _STREAM_KINDS else None))
+            helpers = [
+                group.create_task(feeders[n].drain() if n in feeders else sink(peer, activity), name=f"replay:{n}")
+                for n, peer in peers.items()
+            ]
+            helpers += [group.create_task(f.feed(), name=f"replay:feed:{n}") for n, f in feeders.items()]
+            ended = group.create_task(wait_end(list(feeders.values()), activity, idle_s if streams else None))
             await asyncio.wait((runner, ended), return_when=asyncio.FIRST_COMPLETED)
             if not runner.done():
                 runtime.request_stop("replay: the recording is delivered")
                 await runner
-            for task in (*sinks, feeding, ended):
+            for task in (*helpers, ended):
                 task.cancel()
     compared, differences = compare_metrics(run.metrics(actor_name), RunDir(out).metrics(actor_name))
-    return ReplayResult(actor_name, port, feeder.delivered, out, compared, differences)
+    return ReplayResult(
+        actor=actor_name,
+        ports=replayed,
+        delivered={port: f.delivered for port, f in feeders.items()},
+        sent_by_actor={port: f.sent_by_actor for port, f in feeders.items()},
+        out_dir=out,
+        compared=compared,
+        differences=differences,
+    )
 
 
 def _addresses(actor: str, port: str, actor_binds: bool) -> PortAddresses:
@@ -231,26 +253,56 @@ def _open_peer(transport: Transport, actor: str, port: str, kind: SocketKind, ac
     )
 
 
-class Feeder:
-    """Hands the recorded messages to the actor in their turn; counts what it sends."""
+class Activity:
+    """Set whenever the actor sends something, on any port: what the feeders wait on."""
 
-    def __init__(self, peer: Endpoint, actor_kind: SocketKind, todo: list[Delivery], asks_for_more: int) -> None:
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def note(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Until the actor's next send (or the one that happened since the last wait)."""
+        self._event.clear()
+        await self._event.wait()
+
+
+class Feeder:
+    """One replayed port: hands the recorded messages to the actor in their turn, counts
+    what the actor sends on the port."""
+
+    def __init__(
+        self,
+        peer: Endpoint,
+        actor_kind: SocketKind,
+        messages: Sequence[RecordedMessage],
+        steps: int,
+        activity: Activity,
+    ) -> None:
+        recorded, sent_total = deliveries(messages)
+        self.todo = recorded[:steps] if steps else recorded
+        self.asks_for_more = recorded[len(self.todo)].sent_before if len(self.todo) < len(recorded) else sent_total
+        """On a request/reply port, the actor's send that asks for what is not delivered
+        (the first message left out, or past the recording's end): the end of the replay."""
         self.peer = peer
         self.delivered = 0
         self.sent_by_actor = 0
         self._kind = actor_kind
-        self._todo = todo
-        self._asks_for_more = asks_for_more
-        self._progress = asyncio.Event()  # the actor sent something (on any port)
+        self._activity = activity
         self._routing_id = b""  # the actor's DEALER, seen with its first request
+
+    @property
+    def done(self) -> bool:
+        return self.delivered == len(self.todo) and self.sent_by_actor >= self.asks_for_more
 
     async def feed(self) -> None:
         if self._kind == "sub":
-            assert hasattr(self.peer, "wait_subscriber")
+            assert isinstance(self.peer, PublisherEndpoint)
             await self.peer.wait_subscriber()  # the slow-joiner handshake, never a sleep
-        for delivery in self._todo:
+        for delivery in self.todo:
             while self.sent_by_actor < delivery.sent_before:
-                await self._wait_progress()
+                await self._activity.wait()
             frames = delivery.frames
             if self._kind == "dealer":
                 frames = [self._routing_id, *frames]  # the replay's ROUTER answers the actor
@@ -258,39 +310,47 @@ class Feeder:
                 frames = frames[1:]  # the peer's routing id: the replay is the one peer
             await self.peer.send_encoded(frames)
             self.delivered += 1
+            self._activity.note()
 
-    async def drain(self, peer: Endpoint) -> None:
-        """Receive what the actor sends on one port (the replayed port's count paces ``feed``)."""
-        if not hasattr(peer, "recv_many"):
-            return  # the replay only sends on this one
+    async def drain(self) -> None:
+        """Receive what the actor sends on this port; the count paces ``feed``."""
+        if not hasattr(self.peer, "recv_many"):
+            return  # the actor only receives on this port
         while True:
             try:
-                received = await peer.recv_many()
+                received = await self.peer.recv_many()
             except EndOfStream:
                 return
-            if peer is self.peer:
-                if self._kind == "dealer" and received:
-                    self._routing_id = received[-1][0]
-                self.sent_by_actor += len(received)
-            self._progress.set()
+            if self._kind == "dealer" and received:
+                self._routing_id = received[-1][0]
+            self.sent_by_actor += len(received)
+            self._activity.note()
 
-    async def wait_end(self, idle_s: float | None) -> None:
-        """Return once everything is delivered and the actor asked for more (request/reply)
-        or, on a stream port (``idle_s``), fell quiet for ``idle_s``."""
-        while self.delivered < len(self._todo) or self.sent_by_actor < self._asks_for_more:
-            await self._wait_progress()
-        if idle_s is None:
+
+async def sink(peer: Endpoint, activity: Activity) -> None:
+    """A port not replayed: what the actor sends there is received and dropped."""
+    if not hasattr(peer, "recv_many"):
+        return  # the actor receives on it: nothing is sent to it
+    while True:
+        try:
+            await peer.recv_many()
+        except EndOfStream:
             return
-        while True:
-            self._progress.clear()
-            try:
-                await asyncio.wait_for(self._progress.wait(), idle_s)
-            except TimeoutError:
-                return
+        activity.note()
 
-    async def _wait_progress(self) -> None:
-        self._progress.clear()
-        await self._progress.wait()
+
+async def wait_end(feeders: Sequence[Feeder], activity: Activity, idle_s: float | None) -> None:
+    """Return once every feeder is done and, with a stream port among them (``idle_s``),
+    the actor has then been quiet for ``idle_s``."""
+    while not all(f.done for f in feeders):
+        await activity.wait()
+    if idle_s is None:
+        return
+    while True:
+        try:
+            await asyncio.wait_for(activity.wait(), idle_s)
+        except TimeoutError:
+            return
 
 
 def compare_metrics(
@@ -331,8 +391,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     parser.add_argument("actor", metavar="ACTOR")
-    parser.add_argument("--port", help="the recorded port (default: the actor's one recording)")
-    parser.add_argument("--steps", type=int, default=0, help="deliver only the first N recorded messages")
+    parser.add_argument(
+        "--port", action="append", default=[], help="a recorded port to replay (repeatable; default: every one)"
+    )
+    parser.add_argument("--steps", type=int, default=0, help="deliver only the first N recorded messages of each port")
     parser.add_argument("--out", type=Path, help="output directory (default RUN_DIR/replays/ACTOR.PORT-<time>)")
     parser.add_argument("--idle-s", type=float, default=2.0, help="stream ports: stop after this quiet spell")
     args = parser.parse_args(argv)
@@ -341,11 +403,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         result = asyncio.run(
-            replay(args.run_dir, args.actor, port=args.port, steps=args.steps, out_dir=args.out, idle_s=args.idle_s)
+            replay(args.run_dir, args.actor, ports=args.port, steps=args.steps, out_dir=args.out, idle_s=args.idle_s)
         )
     except (ConfigError, DecodeError, FileExistsError) as exc:
         print(f"echo2.replay: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # an actor that waits for input no replayed port gives
+        print("echo2.replay: interrupted (is a port the actor needs left out of the replay?)", file=sys.stderr)
+        return 130
     print(json.dumps(report(result), indent=2))
     return 0 if result.matches else 1
 
@@ -354,8 +419,9 @@ def report(result: ReplayResult) -> dict[str, Any]:
     """What a replay prints: where its output is, and how it compares with the run."""
     return {
         "actor": result.actor,
-        "port": result.port,
+        "ports": result.ports,
         "delivered": result.delivered,
+        "sent_by_actor": result.sent_by_actor,
         "out_dir": str(result.out_dir),
         "records_compared": result.compared,
         "matches": result.matches,
