@@ -9,20 +9,20 @@ job's), alone in this process, and runs it with every port on an inproc socket o
 * each replayed port (``RUN_DIR/recordings/ACTOR.PORT.rec``, ``[run] record``; default:
   every port of the actor that has a recording) gets the recorded frames, unchanged, in
   order. What the actor received is released once the actor has sent as many messages on
-  that port as it had when the message arrived in the run, so
-  on a request/reply port (the learner's ``batch``) each request is answered by the reply
-  recorded for it, and a stream (``pull``, ``sub``) is fed at once;
-* every other port is a sink: what the actor sends is received and counted, nothing is sent
-  to it.
+  that port as it had when the message arrived in the run, so on a request/reply port (the
+  learner's ``batch``) each request is answered by the reply recorded for it, and a stream
+  (``pull``, ``sub``) is fed at once;
+* every other port is a sink: what the actor sends there is received and dropped, nothing
+  is sent to it.
 
 Several ports replay together, each paced by its own: a Buffer needs its ``scored`` stream
 to answer the ``batch`` requests. It stops when the actor returns by itself (the learner at
 ``max_steps``) or, once the recorded messages (or the first ``--steps`` of each port) are
 delivered, when the actor asks for more on a request/reply port, then, with a stream port,
 after ``--idle-s`` without output. Its metrics, ledger and summary go to ``--out`` (default
-``RUN_DIR/replays/ACTOR.PORTS-<time>``),
-and each metrics record is compared with the run's, field by field, timings (``*_s``) left
-out. Exit 0: every compared record is equal; 1: a difference (printed); 2: bad arguments.
+``RUN_DIR/replays/ACTOR.PORTS-<time>``), and each metrics record is compared with the
+run's, field by field, timings (``*_s``) left out. Exit 0: every compared record is equal;
+1: a difference (printed); 2: bad arguments.
 """
 
 from __future__ import annotations

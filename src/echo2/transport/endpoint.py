@@ -11,10 +11,10 @@ Each endpoint owns one socket and one ``Codec``. Outcomes at the high-water mark
 per endpoint: ``on_full="block"`` waits (PUSH, DEALER, ROUTER, weights), ``on_full="drop"``
 drops and counts (telemetry). ROUTER sends to an unknown peer are counted as ``unroutable``.
 Malformed input is counted in ``decode_errors`` and dropped; the endpoint keeps running.
-An endpoint given a ``Recorder`` (``record_to``) appends the frames of every message it
-receives or sends to a recording file (``recording.py``), before decoding.
 So is a well-formed message whose fields contradict each other (``consistency.check``, run
-on every message received: the codec stays a plain pair of functions).
+on every message received: the codec stays a plain pair of functions). An endpoint given a
+recording file (``record_to``) appends the frames of every message it receives, before
+decoding, and of every message it is asked to send (``recording.py``).
 
 Memory is bounded per socket, not per process: ``SocketOptions.max_message_bytes``
 (ZMQ_MAXMSGSIZE) makes libzmq close the connection of a peer whose frame is larger, while
@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import zmq
@@ -213,7 +214,7 @@ class Endpoint:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def record_to(self, path: Any, *, actor: str, port: str, socket: str, max_bytes: int) -> Recorder:
+    def record_to(self, path: Path, *, actor: str, port: str, socket: str, max_bytes: int) -> Recorder:
         """Append this endpoint's traffic, both ways, to the recording file ``path`` from
         now on (until it is closed or the file reaches ``max_bytes``)."""
         header = recording_header(actor, port, socket, self._envelope_frames, self._codec.types)
