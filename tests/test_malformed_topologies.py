@@ -195,6 +195,26 @@ CASES = [
     ("device-typo", sub('device = "cpu"', 'device = "cdua"'), "actors.learner.config.device", "a torch device"),
     ("device-index", sub('device = "cpu"', 'device = "cuda:x"'), "actors.learner.config.device", "got 'cuda:x'"),
     ("run-name", sub('name = "malformed"', 'name = "a b"'), "run.name", "a name of letters"),
+    # recorded ports (issue 19 item 5): an actor or port that does not exist, a cap of 0
+    (
+        "record-unknown-actor",
+        sub("deadline_s = 60.0", 'deadline_s = 60.0\nrecord = ["learner.batch", "lerner.batch"]'),
+        "run.record[1]",
+        "unknown actor 'lerner'",
+    ),
+    (
+        "record-unknown-port",
+        sub("deadline_s = 60.0", 'deadline_s = 60.0\nrecord = ["learner.batches"]'),
+        "run.record[0]",
+        "actor 'learner' has no port 'batches' (ports: batch, snapshots)",
+    ),
+    (
+        "record-no-port",
+        sub("deadline_s = 60.0", 'deadline_s = 60.0\nrecord = ["learner"]'),
+        "run.record[0]",
+        '"actor.port"',
+    ),
+    ("record-cap-zero", sub("deadline_s = 60.0", "deadline_s = 60.0\nrecord_max_mb = 0"), "run.record_max_mb", "> 0"),
     ("unknown-job-field", sub("staleness = 2", "stalenes = 2"), "job.stalenes", "unknown field"),
     ("unknown-table", add("[jobs]\nx = 1\n"), "jobs", "unknown table"),
     ("kind-typo", sub('kind = "learner"', 'kind = "lerner"'), "actors.learner.kind", "unknown kind 'lerner'"),

@@ -146,7 +146,8 @@ def test_load_actor_class_by_path() -> None:
         (counters(jobs={}), "jobs: unknown table (allowed: run, job, hosts, processes, actors, security)"),
         (
             counters(run={"nmae": "x"}),
-            "run.nmae: unknown field (allowed: name, run_dir, drain_timeout_s, heartbeat_s, deadline_s)",
+            "run.nmae: unknown field (allowed: name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, "
+            "record, record_max_mb)",
         ),
         (counters(run={"heartbeat_s": 0}), "run.heartbeat_s: Expected `float` > 0.0"),
         (counters(run="x"), "run: expected a table, got str"),

@@ -37,6 +37,7 @@ from echo2.messages import Message, Statistics
 from echo2.rundir import JsonLinesWriter, RunDir
 from echo2.transport import Endpoint, SocketOptions, Transport
 from echo2.transport.endpoint import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES, OnFull, SocketKind
+from echo2.transport.recording import RecordingSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,7 @@ class ActorContext:
         curve: Any = None,
         resume: bool = False,
         on_record: Callable[[str, str, Mapping[str, Any]], None] | None = None,
+        recording: RecordingSettings | None = None,
     ) -> None:
         self.actor_name = actor_name
         self._on_record = on_record
@@ -172,6 +174,7 @@ class ActorContext:
         self._curve = curve  # echo2.transport.auth.CurveSettings, or None
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
+        self._recording = recording
         layout = RunDir(run_dir) if run_dir is not None else None
         self._metrics = JsonLinesWriter(layout.metrics_path(actor_name)) if layout is not None else None
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
@@ -215,6 +218,14 @@ class ActorContext:
             **overrides,
         )
         self._endpoints.append(endpoint)
+        if self._recording is not None and self.run_dir is not None and self._recording.records(self.actor_name, port):
+            endpoint.record_to(
+                RunDir(self.run_dir).recording_path(self.actor_name, port),
+                actor=self.actor_name,
+                port=port,
+                socket=spec.socket,
+                max_bytes=self._recording.max_bytes,
+            )
         return endpoint
 
     @property

@@ -20,6 +20,9 @@ the layout is written down once::
       checkpoints/.tmp-step_*/    a checkpoint being written (renamed into place when complete)
       checkpoints/<actor><ext>    other actors' saved state (Buffer, PromptSource)
       summary.json                the learner's summary (at the end)
+      recordings/<actor>.<port>.rec  a recorded port's frames (``[run] record``,
+                                  ``echo2.transport.recording``; replayed by ``echo2.replay``)
+      replays/<actor>.<port>-<time>/  a replay's own metrics/, ledger/, summary.json
       report/                     plots and report.md (``python -m echo2.report``)
 
 JSON lines are appended by processes that may be killed with SIGKILL at any moment, so
@@ -48,6 +51,9 @@ METRICS_DIR = "metrics"
 LEDGER_DIR = "ledger"
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_DIR = "report"
+RECORDINGS_DIR = "recordings"
+RECORDING_SUFFIX = ".rec"
+REPLAYS_DIR = "replays"
 JSONL_SUFFIX = ".jsonl"
 _CHECKPOINT_PREFIX = "step_"
 _MAX_SUFFIX = 1000
@@ -140,6 +146,19 @@ class RunDir:
 
     def log_path(self, process: str) -> Path:
         return self.logs_dir / f"{process}.log"
+
+    @property
+    def recordings_dir(self) -> Path:
+        return self.root / RECORDINGS_DIR
+
+    @property
+    def replays_dir(self) -> Path:
+        """``python -m echo2.replay``'s outputs, one directory per replay."""
+        return self.root / REPLAYS_DIR
+
+    def recording_path(self, actor: str, port: str) -> Path:
+        """Where ``[run] record = ["actor.port"]`` writes that port's traffic."""
+        return self.recordings_dir / f"{actor}.{port}{RECORDING_SUFFIX}"
 
     def log_paths(self) -> list[Path]:
         """Every process log, by name."""

@@ -39,6 +39,7 @@ from echo2.observe.http import serve
 from echo2.observe.metrics import ProcessSnapshot, RecordTracker, exposition, process_families
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
+from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.runtime")
 
@@ -62,6 +63,7 @@ class ProcessRuntime:
         curve: CurveSettings | None = None,
         resume: bool = False,
         metrics_port: int = 0,
+        recording: RecordingSettings | None = None,
     ) -> None:
         self.actors = list(actors)
         self.metrics_port = metrics_port
@@ -84,6 +86,7 @@ class ProcessRuntime:
         self._telemetry_curve_servers = tuple(telemetry_curve_servers)
         self._curve = curve
         self.resume = resume
+        self._recording = recording
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -163,6 +166,7 @@ class ProcessRuntime:
                         curve=self._curve,
                         resume=self.resume,
                         on_record=self._records.observe if self.metrics_port else None,
+                        recording=self._recording,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)

@@ -48,7 +48,8 @@ def _configure_logging(process: str) -> None:
     )
 
 
-def _set_torch_threads(threads: int) -> None:
+def set_torch_threads(threads: int) -> None:
+    """Torch intra-op threads of this process (0: leave torch alone), as the topology says."""
     if threads <= 0:
         return
     import torch
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved = ResolvedTopology.load(args.topology)
     watch.log_path = RunDir(Path(resolved.run_dir)).log_path(args.process)
     spec = resolved.processes[args.process]
-    _set_torch_threads(spec.torch_threads)
+    set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
     run_dir = Path(resolved.run_dir)
 
@@ -191,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_s=resolved.run.heartbeat_s,
             telemetry_connect=telemetry,
             metrics_port=spec.metrics_port,
+            recording=resolved.recording,
         )
         signals.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, signals)

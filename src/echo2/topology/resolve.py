@@ -20,6 +20,7 @@ from echo2.errors import ConfigError
 from echo2.job import JobConfig
 from echo2.topology.addresses import derive_addresses
 from echo2.topology.schema import HostSpec, RestartPolicy, RunSpec, SecuritySpec, Topology, placements
+from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.topology")
 
@@ -122,6 +123,11 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n")
+
+    @property
+    def recording(self) -> RecordingSettings:
+        """The ports this run records (``[run] record``) and the cap of each file."""
+        return RecordingSettings(channels=frozenset(self.run.record), max_bytes=int(self.run.record_max_mb * 1e6))
 
     def actors_of(self, process: str) -> list[str]:
         return [a.name for a in self.processes[process].actors]

@@ -2,7 +2,7 @@
 
 A topology says where actors run; actor code never does. The file has six tables::
 
-    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s
+    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, record, record_max_mb
     [job]             settings several actors share (echo2.job.JobConfig)
     [hosts.NAME]      address, port_base, metrics_port, cores
     [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
@@ -77,6 +77,11 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     """Seconds between two heartbeats of each process on the telemetry channel."""
     deadline_s: Annotated[float, Meta(ge=0)] = 0.0
     """Stop the run gracefully after this many seconds (0: no deadline)."""
+    record: list[str] = []
+    """Ports whose traffic is recorded to ``recordings/<actor>.<port>.rec``, as
+    ``"actor.port"`` (``"learner.batch"``); replay one with ``python -m echo2.replay``."""
+    record_max_mb: Annotated[float, Meta(gt=0)] = 256.0
+    """Cap of each recording file, MB; past it that port stops recording (with a log line)."""
 
 
 class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -366,10 +371,26 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     unused = sorted(set(declared) - set(processes) - {p for p in declared if "{i}" in p})
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))
+    check_recorded_ports(run.record, actors)
     security = convert_config(_table(raw, "security"), SecuritySpec, "security")
     topology = Topology(run=run, job=job, hosts=hosts, processes=processes, actors=actors, security=security)
     check_channels(placements(topology))
     return topology
+
+
+def check_recorded_ports(record: Sequence[str], actors: Mapping[str, PlacedActor]) -> None:
+    """Each ``run.record`` entry names a port of an actor; ``ConfigError`` naming the entry."""
+    for index, entry in enumerate(record):
+        where = f"run.record[{index}]"
+        actor, dot, port = entry.rpartition(".")
+        if not dot or not actor or not port:
+            raise ConfigError(f'{entry!r}: expected "actor.port", e.g. "learner.batch"', path=where)
+        if actor not in actors:
+            raise ConfigError(f"{entry!r}: unknown actor {actor!r} (actors: {', '.join(sorted(actors))})", path=where)
+        ports = actors[actor].cls.ports
+        if port not in ports:
+            known = ", ".join(sorted(ports)) or "none"
+            raise ConfigError(f"{entry!r}: actor {actor!r} has no port {port!r} (ports: {known})", path=where)
 
 
 def _table(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:

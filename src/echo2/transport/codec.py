@@ -92,6 +92,8 @@ class Codec(Generic[M]):
         inline_limit: int = DEFAULT_INLINE_LIMIT,
         max_header_bytes: int = 16 * 1024 * 1024,
     ) -> None:
+        self.types = types
+        """The message class or union this codec decodes (a recording's header names them)."""
         self.inline_limit = inline_limit
         self.max_header_bytes = max_header_bytes
         self._out_frames: list[Any] = []

@@ -12,7 +12,9 @@ per endpoint: ``on_full="block"`` waits (PUSH, DEALER, ROUTER, weights), ``on_fu
 drops and counts (telemetry). ROUTER sends to an unknown peer are counted as ``unroutable``.
 Malformed input is counted in ``decode_errors`` and dropped; the endpoint keeps running.
 So is a well-formed message whose fields contradict each other (``consistency.check``, run
-on every message received: the codec stays a plain pair of functions).
+on every message received: the codec stays a plain pair of functions). An endpoint given a
+recording file (``record_to``) appends the frames of every message it receives, before
+decoding, and of every message it is asked to send (``recording.py``).
 
 Memory is bounded per socket, not per process: ``SocketOptions.max_message_bytes``
 (ZMQ_MAXMSGSIZE) makes libzmq close the connection of a peer whose frame is larger, while
@@ -32,6 +34,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
 import zmq
@@ -42,6 +45,7 @@ from echo2.messages import AnyMessage, EndOfStreamMsg, Message
 from echo2.transport import consistency
 from echo2.transport.codec import Codec
 from echo2.transport.consistency import InconsistentMessage
+from echo2.transport.recording import Recorder, recording_header
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +182,7 @@ class Endpoint:
         self._disconnects = 0
         self.endpoints: list[str] = []
         self._user_ids: dict[bytes, str | None] | None = None
+        self._recorder: Recorder | None = None
         # Private pyzmq hook (zmq/_future.py), the one its own sync paths use; should a
         # future pyzmq drop it, re-arming becomes a no-op and the contract tests catch it.
         self._schedule_events = getattr(socket, "_schedule_remaining_events", _no_events)
@@ -203,6 +208,8 @@ class Endpoint:
         if self._bundle:
             self._flush_at_close(linger_ms)
         self._closed = True
+        if self._recorder is not None:
+            self._recorder.close()
         if self._monitor is not None:
             self._socket.disable_monitor()
             self._monitor_pair.close(linger=0)
@@ -218,6 +225,13 @@ class Endpoint:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
+
+    def record_to(self, path: Path, *, actor: str, port: str, socket: str, max_bytes: int) -> Recorder:
+        """Append this endpoint's traffic, both ways, to the recording file ``path`` from
+        now on (until it is closed or the file reaches ``max_bytes``)."""
+        header = recording_header(actor, port, socket, self._envelope_frames, self._codec.types)
+        self._recorder = Recorder(path, header, max_bytes=max_bytes)
+        return self._recorder
 
     def monitor_disconnects(self) -> None:
         """Count peers' disconnects (``EndpointStats.disconnects``). The events queue in an
@@ -291,6 +305,11 @@ class Endpoint:
         self._sent += 1
         self._bytes_sent += _frames_nbytes(frames)
         return True
+
+    async def send_encoded(self, frames: Sequence[Any]) -> bool:
+        """Send one message's frames as they are, not encoded here (a recording's frames,
+        envelope included: a ROUTER's peer, a topic). False if dropped or unroutable."""
+        return await self._send_frames(frames)
 
     async def _send_when_room(self, frames: Sequence[Any]) -> bool:
         """Back-pressure: wait until the message fits under the HWM, then send it.
@@ -488,6 +507,8 @@ class _Receiving(Endpoint, Generic[Received]):
             await self._fill(max_messages)
             while self._pending:
                 frames = self._pending.popleft()
+                if self._recorder is not None:
+                    self._recorder.received(frames)
                 if len(frames) <= skip:
                     self._received += 1
                     self._decode_errors += 1
@@ -552,6 +573,8 @@ class _Sending(Endpoint):
         sent after it; order is kept. ``flush()`` hands everything to ZeroMQ now.
         """
         frames = self._codec.encode(message)
+        if self._recorder is not None:
+            self._recorder.sent(frames)
         if self._coalesce > 1 and len(frames) == 1 and len(frames[0]) < COALESCE_MESSAGE_MAX_BYTES:
             return await self._send_coalesced(frames[0])
         if self._bundle or self._bundle_in_flight:
@@ -707,7 +730,10 @@ class RouterEndpoint(_Receiving[tuple[bytes, Message]]):
 
     async def send(self, peer: bytes, message: Message) -> bool:
         """Send to one peer; False if the peer is unknown (gone) or dropped at the HWM."""
-        return await self._send_frames([peer, *self._codec.encode(message)])
+        frames = [peer, *self._codec.encode(message)]
+        if self._recorder is not None:
+            self._recorder.sent(frames)
+        return await self._send_frames(frames)
 
 
 class PublisherEndpoint(Endpoint):
@@ -716,7 +742,10 @@ class PublisherEndpoint(Endpoint):
     socket_type = zmq.XPUB
 
     async def publish(self, topic: bytes, message: Message) -> bool:
-        return await self._send_frames([topic, *self._codec.encode(message)])
+        frames = [topic, *self._codec.encode(message)]
+        if self._recorder is not None:
+            self._recorder.sent(frames)
+        return await self._send_frames(frames)
 
     def subscriptions_nowait(self) -> list[tuple[bool, bytes]]:
         """Subscription changes seen since the last call: ``(subscribed, topic)``."""
