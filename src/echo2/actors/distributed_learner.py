@@ -74,6 +74,8 @@ class DistributedLearner(Learner):
     def build_trainer(self) -> Trainer:
         if not dist.is_initialized():
             raise RuntimeError("DistributedLearner runs under torchrun: python -m echo2.launch.torchrun ...")
+        if not isinstance(self.config, DistributedLearnerConfig):  # a plain LearnerConfig: DDP
+            self.config = DistributedLearnerConfig(**msgspec.structs.asdict(self.config))
         self.config = rank_config(self.config)
         # the followers build from the same job and config
         broadcast_bytes(msgspec.json.encode({"job": self.job, "config": self.config}))
