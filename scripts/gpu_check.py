@@ -7,6 +7,11 @@ message elsewhere.
     python scripts/gpu_check.py                       # SmolLM2 if installed, else a random
                                                       # ~100M Llama built in place (no download)
     python scripts/gpu_check.py --model /path/to/hf_model --dtype bfloat16
+
+Not checked here yet, and only a GPU can check them (the FSDP2 learner is tested on CPU/gloo
+in tests/test_learner_fsdp.py): NCCL collectives for ``strategy = "fsdp"``, shards placed on
+``cuda:LOCAL_RANK``, bf16 ``compute_dtype`` speed and peak memory against DDP, activation
+checkpointing's memory saving, and the HF sharding plan (``_no_split_modules``) on a real model.
 """
 
 from __future__ import annotations

@@ -184,15 +184,17 @@ def _config_structs() -> list[type]:
 
 @pytest.mark.parametrize("struct", _config_structs(), ids=lambda s: s.__qualname__)
 def test_every_config_field_has_a_docstring(struct: type) -> None:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(struct)))
-    (cls,) = tree.body
-    assert isinstance(cls, ast.ClassDef)
     seen, undocumented = [], []
-    for field, following in zip(cls.body, [*cls.body[1:], None], strict=True):
-        if not isinstance(field, ast.AnnAssign) or not isinstance(field.target, ast.Name):
-            continue
-        seen.append(field.target.id)
-        if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
-            undocumented.append(field.target.id)
+    # base classes first (a subclass's fields follow its bases', as msgspec orders them)
+    for owner in reversed([c for c in struct.__mro__ if inspect.get_annotations(c)]):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(owner)))
+        (cls,) = tree.body
+        assert isinstance(cls, ast.ClassDef)
+        for field, following in zip(cls.body, [*cls.body[1:], None], strict=True):
+            if not isinstance(field, ast.AnnAssign) or not isinstance(field.target, ast.Name):
+                continue
+            seen.append(field.target.id)
+            if not (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+                undocumented.append(field.target.id)
     assert seen == list(struct.__struct_fields__)  # the walk saw every field
     assert undocumented == []

@@ -194,7 +194,7 @@ config = {{ engine = "simulated", engine_kwargs = {{ seconds_per_token = 0.0, su
 [actors.learner]
 kind = "distributed_learner"
 process = "learner"
-config = {{ max_steps = 5, eval_every = 0, eval_prompts = 4, checkpoint_every = 0, warmup_steps = 1 }}
+config = {{ max_steps = 5, eval_every = 0, eval_prompts = 4, checkpoint_every = 0, warmup_steps = 1, strategy = "{strategy}" }}
 [actors.weight_publisher]
 kind = "weight_publisher"
 process = "learner"
@@ -210,11 +210,13 @@ def _wait_for(condition, timeout_s: float, what: str):  # type: ignore[no-untype
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_launched_run_with_a_two_rank_learner_audits_clean(tmp_path: Path) -> None:
-    """Host a (data, sampler) from the launcher; host b's learner process under torchrun."""
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_a_launched_run_with_a_two_rank_learner_audits_clean(tmp_path: Path, strategy: str) -> None:
+    """Host a (data, sampler) from the launcher; host b's learner process under torchrun.
+    With FSDP the evaluations, publications and the final checkpoint gather from the shards."""
     topology = tmp_path / "ddp.toml"
     port_a, port_b = port_bases(2)
-    topology.write_text(TOPOLOGY.format(port_a=port_a, port_b=port_b))
+    topology.write_text(TOPOLOGY.format(port_a=port_a, port_b=port_b, strategy=strategy))
     env = dict(_env(), PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p))
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
@@ -242,3 +244,6 @@ def test_a_launched_run_with_a_two_rank_learner_audits_clean(tmp_path: Path) -> 
     assert report.trained == 5 * 4, report
     assert not report.lost and not report.duplicated, report
     assert report.ok, report
+    if strategy == "fsdp":
+        (final,) = RunDir(run_dir).checkpoint_dirs()
+        assert (final / "dcp" / ".metadata").is_file() and (final / "model.safetensors").is_file()

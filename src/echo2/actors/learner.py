@@ -449,10 +449,10 @@ class Learner(Actor):
         await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
 
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
-        self.trainer.close()
         if not self.evals or self.evals[-1].step != self.version:
             self.evals.append(await asyncio.to_thread(self.evaluate))
         await self._checkpoint()
+        self.trainer.close()  # after the last evaluation and checkpoint: a sharded trainer's ranks join those
         busy = self.wait_s + self.train_s
         summary = {
             "steps": self.version,

@@ -16,8 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from echo2.actors.distributed_learner import rank_config
-from echo2.actors.learner import LearnerConfig, build_trainer
+from echo2.actors.distributed_learner import DistributedLearnerConfig, distributed_trainer, rank_config
 from echo2.job import JobConfig
 from echo2.training.distributed import DistributedTrainer, broadcast_bytes
 
@@ -26,8 +25,8 @@ def follower_loop() -> DistributedTrainer:
     """Ranks > 0: build the trainer from rank 0's config, then follow rank 0 until it closes."""
     spec = msgspec.json.decode(broadcast_bytes(None))
     job = msgspec.convert(spec["job"], JobConfig)
-    config = rank_config(msgspec.convert(spec["config"], LearnerConfig))
-    trainer = DistributedTrainer(build_trainer(job, config))
+    config = rank_config(msgspec.convert(spec["config"], DistributedLearnerConfig))
+    trainer = distributed_trainer(job, config)
     trainer.follow()
     return trainer
 

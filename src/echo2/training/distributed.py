@@ -15,9 +15,9 @@ that changes the model is announced to the other ranks, which run the same train
   rank can read: one node, or a filesystem the nodes share).
 * publication and save: every rank holds the full state, so rank 0 uses its own copy.
 
-Sharded training (FSDP2 ``fully_shard``, for models that do not fit one GPU) would gather
-with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
-cpu_offload=True)`` on every rank at publication steps only; not implemented here.
+Sharded training (FSDP2, for models whose replicated state does not fit one GPU) is
+``echo2.training.sharded.FSDPTrainer``: the same protocol, with the ops a sharded state
+needs (save, gather) announced to every rank as well.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from echo2.rl.step import Share, StepStats, TrainingRows
 from echo2.training.trainer import TorchTrainer, Trainer
 from echo2.transport.codec import Codec
 
-OP_STOP, OP_STEP, OP_LOAD = 0, 1, 2
+OP_STOP, OP_STEP, OP_LOAD, OP_SAVE, OP_GATHER = 0, 1, 2, 3, 4
+"""What rank 0 announces; save and gather are the sharded trainer's."""
 _INLINE_ALL = 1 << 62  # every array inside the one header frame that is broadcast
 
 
@@ -74,17 +75,21 @@ class DistributedTrainer:
             raise RuntimeError("a DistributedTrainer runs under torchrun: python -m echo2.launch.torchrun ...")
         if not isinstance(inner, TorchTrainer):
             raise TypeError(f"data-parallel training wraps a TorchTrainer, not a {type(inner).__name__}")
-        from torch.nn.parallel import DistributedDataParallel
-
-        where = next(inner.policy.model.parameters()).device
-        # DDP's constructor broadcasts rank 0's weights: every rank starts from the same model.
-        inner.model = DistributedDataParallel(
-            inner.policy.model, device_ids=[where.index] if where.type == "cuda" else None
-        )
         self.inner = inner
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._codec = Codec(TrainingRows, inline_limit=_INLINE_ALL)
         self._closed = False
+        self._parallelise()
+
+    def _parallelise(self) -> None:
+        """Wrap the inner trainer's model for data parallelism (here: DDP)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        where = next(self.inner.policy.model.parameters()).device
+        # DDP's constructor broadcasts rank 0's weights: every rank starts from the same model.
+        self.inner.model = DistributedDataParallel(
+            self.inner.policy.model, device_ids=[where.index] if where.type == "cuda" else None
+        )
 
     @property
     def policy(self) -> Policy:
@@ -100,7 +105,7 @@ class DistributedTrainer:
     def load(self, directory: Path) -> None:
         self._announce(OP_LOAD, 0)
         broadcast_bytes(str(directory).encode())
-        self.inner.load(directory)
+        self.load_here(directory)
 
     def save(self, directory: Path) -> None:
         self.inner.save(directory)
@@ -119,18 +124,27 @@ class DistributedTrainer:
     # -- every rank ------------------------------------------------------------------
 
     def follow(self) -> None:
-        """Ranks > 0: run every step and load rank 0 announces, until it closes."""
+        """Ranks > 0: run every op rank 0 announces (steps, loads), until it closes."""
         while True:
             command = torch.zeros(2, dtype=torch.int64, device=device())
             dist.broadcast(command, src=0)
             op, version = (int(x) for x in command.tolist())
             if op == OP_STOP:
                 return
-            if op == OP_LOAD:
-                self.inner.load(Path(broadcast_bytes(None).decode()))
-            else:
-                rows = cast(TrainingRows, self._codec.decode([broadcast_bytes(None)]))
-                self._train_share(rows, version)
+            self._follow(op, version)
+
+    def _follow(self, op: int, version: int) -> None:
+        if op == OP_LOAD:
+            self.load_here(Path(broadcast_bytes(None).decode()))
+        elif op == OP_STEP:
+            rows = cast(TrainingRows, self._codec.decode([broadcast_bytes(None)]))
+            self._train_share(rows, version)
+        else:
+            raise RuntimeError(f"rank {self.rank}: rank 0 announced an unknown op {op}")
+
+    def load_here(self, directory: Path) -> None:
+        """This rank's part of a load (every rank runs it)."""
+        self.inner.load(directory)
 
     def _train_share(self, rows: TrainingRows, version: int) -> StepStats:
         if len(rows) < self.world:

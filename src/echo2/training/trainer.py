@@ -8,7 +8,8 @@ after ``step`` returned. Implementations:
 * ``SimulatedTrainer``: each step takes ``train_s`` seconds and changes nothing; for
   capacity and scheduling experiments, where a stable ``T_train`` matters and the model
   does not. Publication, evaluation and checkpoints still use the real (unchanged) policy.
-* ``echo2.training.distributed.DistributedTrainer``: a ``TorchTrainer`` over DDP ranks.
+* ``echo2.training.distributed.DistributedTrainer``: a ``TorchTrainer`` over DDP ranks;
+  ``echo2.training.sharded.FSDPTrainer``: over FSDP2 ranks (sharded state).
 
 ``make_trainer`` chooses between the first two from the Learner's configuration.
 """
@@ -75,6 +76,11 @@ def load_weights(policy: Policy, directory: Path) -> None:
     policy.core.load_state_dict(weights, strict=policy.kind == "tiny")
 
 
+def adamw(model: nn.Module, settings: StepSettings) -> torch.optim.AdamW:
+    """The optimiser of ``model``'s parameters (rebuilt by a trainer that replaces them: FSDP)."""
+    return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+
+
 class TorchTrainer:
     """AdamW on the policy, one ``optimiser_step`` per batch."""
 
@@ -84,9 +90,7 @@ class TorchTrainer:
         self.model: nn.Module = policy.model
         """The module the step runs: the policy's model, or a DDP wrapper of it."""
         policy.model.train()
-        self.optimizer = torch.optim.AdamW(
-            policy.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay
-        )
+        self.optimizer = adamw(policy.model, settings)
         self.reference = policy.clone().model if settings.kl_beta > 0 else None
         """The frozen initial policy of the KL term."""
 
