@@ -60,7 +60,7 @@ from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed
 from echo2.rl import OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
-from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
+from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, pass_at_k_name, score_heldout, score_sampled
 from echo2.training.accounting import TrainingAccount
 from echo2.training.checkpoint import (
     TRAINED_TASKS_FILE,
@@ -126,6 +126,12 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Steps between greedy evaluations on held-out prompts (0: only the final one)."""
     eval_prompts: Annotated[int, Meta(ge=0)] = 500
     """Held-out prompts per evaluation."""
+    eval_pass_at_k: Annotated[int, Meta(ge=0)] = 0
+    """k of a sampled pass@k beside greedy pass@1 at each evaluation (0: off, the default:
+    it generates ``eval_samples`` completions per held-out prompt)."""
+    eval_samples: Annotated[int, Meta(ge=0)] = 0
+    """n, completions sampled per held-out prompt for pass@k at the job's temperature and
+    top-p (n >= k; 0: n = k). A larger n lowers the estimator's variance."""
     checkpoint_every: Annotated[int, Meta(ge=0)] = 100
     """Steps between checkpoints in the run directory (0: only the final one)."""
     log_every: Annotated[int, Meta(ge=1)] = 10
@@ -141,6 +147,13 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
     (the batch is still consumed and accounted: staleness, rewards). For capacity and
     scheduling benchmarks, where a stable T_train matters and the model does not."""
+
+    def __post_init__(self) -> None:
+        if self.eval_samples and self.eval_samples < self.eval_pass_at_k:
+            raise ValueError(
+                f"eval_samples ({self.eval_samples}) must be >= eval_pass_at_k ({self.eval_pass_at_k}): "
+                "pass@k is estimated from n >= k samples per prompt"
+            )
 
 
 class Learner(Actor):
@@ -344,12 +357,33 @@ class Learner(Actor):
 
     def evaluate(self) -> HeldoutScore:
         """Greedy completions of the fixed held-out prompts, scored by the task's correctness
-        predicate (pass@1) and by the training reward (``echo2.tasks.evaluation``)."""
+        predicate (pass@1) and by the training reward; with ``eval_pass_at_k``, also
+        sampled ones for pass@k (``echo2.tasks.evaluation``)."""
+        import dataclasses
+
+        from echo2.engines.base import SamplingParams
+
         engine = self._eval_engine
         ids = [engine.encode_prompt(p.text) for p in self.heldout]
         completions = engine.greedy(ids, max_new_tokens=self.job.max_new_tokens)
+        score = score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
+        k = self.config.eval_pass_at_k
+        if k:
+            job = self.job
+            # Seeded by step: the same evaluation in a rerun, a fresh draw at each step.
+            params = SamplingParams(job.temperature, job.top_p, job.max_new_tokens, seed=job.seed + self.version)
+            samples = engine.generate(ids, self.config.eval_samples or k, params)
+            sampled = score_sampled(
+                self.task,
+                self.heldout,
+                [[c.text for c in row] for row in samples],
+                k=k,
+                temperature=job.temperature,
+                top_p=job.top_p,
+            )
+            score = dataclasses.replace(score, sampled=sampled)
         self.policy.model.train()
-        return score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
+        return score
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -486,13 +520,38 @@ class Learner(Actor):
             "initial_accuracy": first.pass_at_1,
             "final_accuracy": last.pass_at_1,
             "accuracy_by_step": [[e.step, e.pass_at_1] for e in self.evals],
+            **_pass_at_k_summary(self.evals),
         }
 
 
 def _describe(score: HeldoutScore) -> str:
-    """``pass@1 0.440, mean reward 0.440`` (pass@1 "n/a" when the task declares no predicate)."""
+    """``pass@1 0.440 (greedy), pass@4 0.700 (8 samples/prompt, T=1), mean reward 0.440``
+    ("n/a" when the task declares no predicate; pass@k only when sampled)."""
     passed = "n/a" if score.pass_at_1 is None else f"{score.pass_at_1:.3f}"
-    return f"{PASS_AT_1} {passed}, mean reward {score.mean_reward:.3f}"
+    text = f"{PASS_AT_1} {passed} (greedy)"
+    if (sampled := score.sampled) is not None:
+        value = "n/a" if sampled.pass_at_k is None else f"{sampled.pass_at_k:.3f}"
+        text += f", {pass_at_k_name(sampled.k)} {value} ({sampled.samples_per_prompt} samples/prompt, T={sampled.temperature:g})"
+    return f"{text}, mean reward {score.mean_reward:.3f}"
+
+
+def _pass_at_k_summary(evals: list[HeldoutScore]) -> dict[str, Any]:
+    """``summary.json``'s pass@k fields, present only when the evaluation sampled."""
+    first, last = evals[0].sampled, evals[-1].sampled
+    if first is None or last is None:
+        return {}
+    return {
+        "eval_pass_at_k_metric": pass_at_k_name(last.k),
+        "eval_pass_at_k_decoding": (
+            f"{last.samples_per_prompt} samples per prompt at temperature {last.temperature:g}, "
+            f"top_p {last.top_p:g}; unbiased estimator (Chen et al. 2021)"
+        ),
+        "eval_pass_at_k_k": last.k,
+        "eval_pass_at_k_samples": last.samples_per_prompt,
+        "initial_pass_at_k": first.pass_at_k,
+        "final_pass_at_k": last.pass_at_k,
+        "pass_at_k_by_step": [[e.step, e.sampled.pass_at_k] for e in evals if e.sampled is not None],
+    }
 
 
 def _eval_record(score: HeldoutScore) -> dict[str, Any]:
@@ -500,6 +559,8 @@ def _eval_record(score: HeldoutScore) -> dict[str, Any]:
     record: dict[str, Any] = {"eval_mean_reward": score.mean_reward}
     if score.pass_at_1 is not None:
         record["accuracy"] = score.pass_at_1
+    if score.sampled is not None and score.sampled.pass_at_k is not None:
+        record["pass_at_k"] = score.sampled.pass_at_k
     return record
 
 
