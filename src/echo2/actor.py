@@ -268,7 +268,7 @@ async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any,
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(loop) for loop in loops]
         stop = group.create_task(stopping.wait())
-        running = set(tasks)
+        running: set[asyncio.Future[Any]] = set(tasks)
         while running and not stop.done():
             _, pending = await asyncio.wait({*running, stop}, return_when=asyncio.FIRST_COMPLETED)
             running = pending - {stop}
