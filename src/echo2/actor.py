@@ -33,7 +33,7 @@ import msgspec
 
 from echo2.config import convert_config
 from echo2.errors import ConfigError
-from echo2.job import JobConfig
+from echo2.job import JobConfig, JobObjects
 from echo2.ledger import LedgerEvent, event_record
 from echo2.messages import Message, Statistics
 from echo2.rundir import JsonLinesWriter, RunDir
@@ -157,6 +157,7 @@ class ActorContext:
         started_at: float | None = None,
         curve: Any = None,
         resume: bool = False,
+        job_objects: JobObjects | None = None,
     ) -> None:
         self.actor_name = actor_name
         self.process = process
@@ -171,6 +172,9 @@ class ActorContext:
         self._curve = curve  # echo2.transport.auth.CurveSettings, or None
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
+        self.job_objects = job_objects
+        """The task and reward given as objects in this process (``echo2.Pipeline(task=...)``),
+        which replace the job's import strings; None in a launched run."""
         layout = RunDir(run_dir) if run_dir is not None else None
         self._metrics = JsonLinesWriter(layout.metrics_path(actor_name)) if layout is not None else None
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
+from echo2.job import JobObjects
 from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
@@ -54,6 +55,7 @@ class ProcessRuntime:
         transport: Transport | None = None,
         curve: CurveSettings | None = None,
         resume: bool = False,
+        job_objects: JobObjects | None = None,
     ) -> None:
         self.actors = list(actors)
         self.process = process
@@ -69,6 +71,8 @@ class ProcessRuntime:
         self._telemetry_curve_servers = tuple(telemetry_curve_servers)
         self._curve = curve
         self.resume = resume
+        self.job_objects = job_objects
+        """A task and reward given as objects (the embedding API), handed to every actor."""
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -143,6 +147,7 @@ class ProcessRuntime:
                         telemetry=telemetry,
                         curve=self._curve,
                         resume=self.resume,
+                        job_objects=self.job_objects,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)

@@ -56,7 +56,17 @@ from echo2.actor import Actor, ActorConfig, Port, until_stopping
 from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
-from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
+from echo2.messages import (
+    LEARNER_METRICS_TOPIC,
+    Batch,
+    BatchRequest,
+    BufferStats,
+    LearnerCheckpointed,
+    LearnerMetrics,
+    LearnerStats,
+    ScoredGroup,
+    Snapshot,
+)
 from echo2.rl import OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
@@ -203,7 +213,7 @@ class Learner(Actor):
 
             self._eval_engine = HFTorchEngine(policy=self.policy)
         self.policy.model.train()
-        self.task = load_job_task(self.job)
+        self.task = load_job_task(self.job, self.ctx.job_objects)
         self.heldout = self.task.heldout(self.config.eval_prompts)
         self.version = 0
         self.incarnation = self.config.incarnation
@@ -256,6 +266,7 @@ class Learner(Actor):
     async def run(self) -> None:
         self.evals.append(await asyncio.to_thread(self.evaluate))
         self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
+        await self._publish_metrics(None, self.evals[-1])
         started = time.monotonic()  # wall_s covers training, not the initial evaluation
         await self._publish()
         await self._request()
@@ -290,15 +301,39 @@ class Learner(Actor):
             self.version += 1
             if self.version % self.kappa == 0:
                 await self._publish()
+            evaluation = None
             if self.config.eval_every and self.version % self.config.eval_every == 0:
-                self.evals.append(await asyncio.to_thread(self.evaluate))
-                record.update(_eval_record(self.evals[-1]))
+                evaluation = await asyncio.to_thread(self.evaluate)
+                self.evals.append(evaluation)
+                record.update(_eval_record(evaluation))
+            await self._publish_metrics(record, evaluation)
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
                 await self._checkpoint()
             self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
             if self.version % self.config.log_every == 0 or "eval_mean_reward" in record:
                 last_log = self._log_progress(record, last_log)
         await self._finish(time.monotonic() - started, stopped_by)
+
+    async def _publish_metrics(self, record: dict[str, Any] | None, evaluation: HeldoutScore | None) -> None:
+        """This step's ``LearnerMetrics`` on telemetry, for watching actors (best effort)."""
+        sampled = evaluation.sampled if evaluation is not None else None
+        await self.ctx.publish_telemetry(
+            LEARNER_METRICS_TOPIC,
+            LearnerMetrics(
+                learner=self.name,
+                incarnation=self.incarnation,
+                step=self.version,
+                time_s=time.time(),
+                reward_mean=None if record is None else float(record["reward_mean"]),
+                loss=None if record is None else float(record["loss"]),
+                rollouts=0 if record is None else int(record["rollouts"]),
+                evaluated=evaluation is not None,
+                eval_pass_at_1=None if evaluation is None else evaluation.pass_at_1,
+                eval_mean_reward=None if evaluation is None else evaluation.mean_reward,
+                eval_pass_at_k=None if sampled is None else sampled.pass_at_k,
+                eval_k=0 if sampled is None else sampled.k,
+            ),
+        )
 
     async def _request(self, version: int | None = None) -> None:
         self._request_id += 1
@@ -463,6 +498,7 @@ class Learner(Actor):
         self.trainer.close()
         if not self.evals or self.evals[-1].step != self.version:
             self.evals.append(await asyncio.to_thread(self.evaluate))
+            await self._publish_metrics(None, self.evals[-1])
         await self._checkpoint()
         busy = self.wait_s + self.train_s
         summary = {
