@@ -35,7 +35,7 @@ from echo2.actor import Actor
 from echo2.errors import ConfigError
 from echo2.job import JobObjects
 from echo2.runtime import ProcessRuntime
-from echo2.tasks.base import RewardFn, Task
+from echo2.tasks.base import RewardFn, Task, require_objects
 from echo2.topology import DEFAULT_HOST, HostSpec, Placement, derive_addresses
 
 log = logging.getLogger("echo2.pipeline")
@@ -63,14 +63,7 @@ class Pipeline:
         self.actors = list(actors)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.drain_timeout_s = drain_timeout_s
-        if task is not None and not isinstance(task, Task):
-            raise ConfigError(
-                f"a {type(task).__name__} lacks the Task interface (name, prompts, heldout, reward)", path="task"
-            )
-        if reward is not None and not callable(reward):
-            raise ConfigError(
-                f"a reward is a function (prompt, completion) -> float, not a {type(reward).__name__}", path="reward"
-            )
+        require_objects(task, reward)
         self.job_objects = JobObjects(task=task, reward=reward) if task is not None or reward is not None else None
         places = [Placement(actor=a.name, process=_PROCESS, host=DEFAULT_HOST, ports=a.ports) for a in self.actors]
         # Pure and validating: a connector without a binder fails here, before any I/O.

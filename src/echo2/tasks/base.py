@@ -231,10 +231,7 @@ def load_job_task(job: JobConfig, given: JobObjects | None = None) -> Task:
     if task_obj is None:
         task = load_task(import_string(job.task, "job.task"), **job.task_kwargs)
     else:
-        if not isinstance(task_obj, Task):
-            raise ConfigError(
-                f"a {type(task_obj).__name__} lacks the Task interface (name, prompts, heldout, reward)", path="task"
-            )
+        require_objects(task_obj, None)
         if job.task_kwargs:
             raise ConfigError(
                 "apply to a task named by job.task, not to a task given as an object", path="job.task_kwargs"
@@ -246,6 +243,19 @@ def load_job_task(job: JobConfig, given: JobObjects | None = None) -> Task:
         reward_obj if reward_obj is not None else import_string(job.reward, "job.reward") if job.reward else None
     )
     return with_reward(task, load_reward(reward_spec) if reward_spec is not None else None)
+
+
+def require_objects(task: object, reward: object) -> None:
+    """``ConfigError`` (field ``task`` or ``reward``) unless ``task`` is None or a :class:`Task`
+    and ``reward`` None or a function: what the embedding API accepts as objects."""
+    if task is not None and not isinstance(task, Task):
+        raise ConfigError(
+            f"a {type(task).__name__} lacks the Task interface (name, prompts, heldout, reward)", path="task"
+        )
+    if reward is not None and not callable(reward):
+        raise ConfigError(
+            f"a reward is a function (prompt, completion) -> float, not a {type(reward).__name__}", path="reward"
+        )
 
 
 def import_string(value: object, field: str) -> str:
