@@ -146,6 +146,7 @@ class _Ctx:
 
     run_dir = None
     resume = False
+    job_objects = None
 
     def ledger(self, *args: object, **kwargs: object) -> None:
         pass

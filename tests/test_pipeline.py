@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from tests.polling import until
 
-from echo2.actor import Actor, ActorContext, Port
+from echo2.actor import Actor, ActorContext, Port, run_until_stopped
 from echo2.actors.testing import CounterSink, CounterSource, Failing, Idle
 from echo2.errors import ActorFailed, ConfigError
 from echo2.pipeline import Pipeline
@@ -89,3 +91,59 @@ def test_connector_without_binder_is_rejected_before_any_io() -> None:
         Pipeline([Lonely("lonely")])
     with pytest.raises(ConfigError, match="duplicate actor names: a"):
         Pipeline([Idle("a"), Idle("a")])
+
+
+class CountsThenReturns(Actor):
+    """A custom actor whose one loop ends by itself, through the public helper."""
+
+    kind = "counts_then_returns"
+
+    def __init__(self, name: str, *, ticks: int, completes: bool = False) -> None:
+        super().__init__(name)
+        self.ticks = ticks
+        self.done = asyncio.Event()
+        self.completes_run = completes  # type: ignore[misc]  # per instance, for the test
+
+    async def run(self) -> None:
+        await run_until_stopped(self.ctx.stopping, self._count())
+        self.done.set()
+
+    async def _count(self) -> None:
+        for _ in range(self.ticks):
+            await asyncio.sleep(0)  # a yield, not a wait for something
+
+
+async def test_actor_returning_through_run_until_stopped_finishes_and_peers_continue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="echo2.runtime")
+    watcher = CountsThenReturns("watcher", ticks=3)
+    async with Pipeline([watcher, Idle("idle")]) as pipeline:
+        await asyncio.wait_for(watcher.done.wait(), 10)
+        # Finished, not failed, and the run goes on: nobody asked it to stop.
+        await until(lambda: "actor watcher finished" in caplog.text)
+        assert not pipeline.runtime.stopping.is_set()
+        pipeline.request_stop()
+        await asyncio.wait_for(pipeline.wait(), 10)  # no ActorFailed
+    assert "watcher failed" not in caplog.text
+
+
+async def test_actor_that_completes_the_run_stops_it_by_returning() -> None:
+    async with Pipeline([CountsThenReturns("watcher", ticks=3, completes=True), Idle("idle")]) as pipeline:
+        await asyncio.wait_for(pipeline.wait(), 10)
+    assert pipeline.runtime.stop_reason == "actor watcher completed the run"
+
+
+async def test_run_until_stopped_still_stops_loops_that_never_return() -> None:
+    stopping, forever, returned = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def short() -> None:
+        returned.set()
+
+    helper = asyncio.ensure_future(run_until_stopped(stopping, forever.wait(), short()))
+    await asyncio.wait_for(returned.wait(), 5)
+    for _ in range(5):  # let the helper see the short loop's end
+        await asyncio.sleep(0)
+    assert not helper.done()  # one loop returned, the other still runs
+    stopping.set()
+    await asyncio.wait_for(helper, 5)

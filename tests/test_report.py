@@ -114,6 +114,16 @@ def test_the_report_names_the_held_out_metric(tmp_path: Path) -> None:
     assert "| final_pass_at_1 | 0.6 (greedy, 115 held-out prompts) |" in markdown
     assert "| final_eval_mean_reward | 0.65 |" in markdown
     assert "final_accuracy" not in markdown  # the older name is not shown beside the new one
+    assert "pass_at_k" not in markdown  # not sampled: not shown
+    summary.update(
+        eval_pass_at_k_metric="pass@4",
+        eval_pass_at_k_decoding="8 samples per prompt at temperature 1, top_p 1; unbiased estimator (Chen et al. 2021)",
+        initial_pass_at_k=0.7,
+        final_pass_at_k=0.9,
+    )
+    RunDir(run_dir).summary_path.write_text(json.dumps(summary))
+    markdown = (write_report(run_dir)[-1]).read_text()
+    assert "| final_pass_at_k | 0.9 (pass@4: 8 samples per prompt at temperature 1, top_p 1; unbiased" in markdown
     summary.update(initial_pass_at_1=None, final_pass_at_1=None, pass_at_1_by_step=[[0, None]])
     RunDir(run_dir).summary_path.write_text(json.dumps(summary))
     markdown = (write_report(run_dir)[-1]).read_text()

@@ -6,7 +6,9 @@ An actor has three explicit phases:
 * ``await setup(ctx)``: open endpoints (``ctx.open(port)``), load models. When it returns
   the actor is ready: its bound sockets accept peers.
 * ``await run()``: the actor's loop. Returning means it finished; raising means it failed
-  (the runtime logs the cause and brings the process down). It must watch
+  (the runtime logs the cause and brings the process down). A finished actor whose kind
+  sets ``completes_run`` (the Learner) stops the run; any other finished actor just leaves
+  its peers running, and a process whose actors have all finished exits cleanly. It must watch
   ``ctx.stopping`` and return promptly once set (drain), and it may be cancelled outright
   (second signal or drain deadline), so it must re-raise ``CancelledError``.
 * ``await aclose()``: always runs, releases what setup acquired (the runtime also closes
@@ -31,7 +33,7 @@ import msgspec
 
 from echo2.config import convert_config
 from echo2.errors import ConfigError
-from echo2.job import JobConfig
+from echo2.job import JobConfig, JobObjects
 from echo2.ledger import LedgerEvent, event_record
 from echo2.messages import Message, Statistics
 from echo2.rundir import JsonLinesWriter, RunDir
@@ -158,6 +160,7 @@ class ActorContext:
         resume: bool = False,
         on_record: Callable[[str, str, Mapping[str, Any]], None] | None = None,
         recording: RecordingSettings | None = None,
+        job_objects: JobObjects | None = None,
     ) -> None:
         self.actor_name = actor_name
         self._on_record = on_record
@@ -175,6 +178,9 @@ class ActorContext:
         self.resume = resume
         """True when the run continues from checkpoints in ``run_dir`` (``--resume``)."""
         self._recording = recording
+        self.job_objects = job_objects
+        """The task and reward given as objects in this process (``echo2.Pipeline(task=...)``),
+        which replace the job's import strings; None in a launched run."""
         layout = RunDir(run_dir) if run_dir is not None else None
         self._metrics = JsonLinesWriter(layout.metrics_path(actor_name)) if layout is not None else None
         self._ledger = JsonLinesWriter(layout.ledger_path(actor_name)) if layout is not None else None
@@ -273,12 +279,20 @@ def default_cpu_count() -> int:
 async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any, None]) -> None:
     """Run an actor's concurrent loops until ``stopping`` is set, then cancel them.
 
-    One loop raising cancels the others and the error propagates (the actor fails).
+    Returns as well once every loop has returned by itself: an actor that ends its own
+    work (a watcher that has seen enough) returns from ``run()`` through this helper and
+    the runtime counts it as finished, not failed. A loop that returns while others still
+    run just ends; the others carry on. One loop raising cancels the others and the error
+    propagates (the actor fails).
     """
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(loop) for loop in loops]
-        await stopping.wait()
-        for task in tasks:
+        stop = group.create_task(stopping.wait())
+        running: set[asyncio.Future[Any]] = set(tasks)
+        while running and not stop.done():
+            _, pending = await asyncio.wait({*running, stop}, return_when=asyncio.FIRST_COMPLETED)
+            running = pending - {stop}
+        for task in (*tasks, stop):
             task.cancel()
 
 

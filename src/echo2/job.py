@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -58,3 +60,20 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """Seed of the prompt stream and, mixed with each sampler's name, of its engine."""
     prompt_format: PromptFormat = PromptFormat()
     """How prompts are rendered into token ids (chat template, system prompt, thinking)."""
+
+
+@dataclass(frozen=True)
+class JobObjects:
+    """Python objects standing in for the job's import strings, in one process only.
+
+    The embedding API (``echo2.Pipeline(actors, task=..., reward=...)``) hands them to every
+    actor of the process, which uses them instead of importing ``JobConfig.task`` /
+    ``JobConfig.reward``. A launched run cannot carry them: each process it starts imports
+    the task by name, so there the import strings stay. Typed loosely here (this module
+    sits below ``echo2.tasks``); ``echo2.tasks.base.load_job_task`` checks them.
+    """
+
+    task: Any = None
+    """An ``echo2.tasks.base.Task`` (its ``correct`` is the held-out predicate), or None."""
+    reward: Callable[[Any, str], float] | None = None
+    """A reward ``(prompt, completion) -> float`` replacing the task's own, or None."""

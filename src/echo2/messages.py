@@ -36,6 +36,8 @@ HEARTBEAT_TOPIC = b"hb|"
 """Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
 INSTALLED_TOPIC = b"installed|"
 """Topic frame of ``WeightsInstalled`` on the telemetry channel."""
+LEARNER_METRICS_TOPIC = b"learner|"
+"""Topic frame of ``LearnerMetrics`` on the telemetry channel (one per step and evaluation)."""
 
 
 class PolicyVersion(NamedTuple):
@@ -422,6 +424,39 @@ class Heartbeat(Message, frozen=True):
     loop_lag_s: float
     actor_stats: dict[str, ActorStats] = {}
     endpoints: dict[str, EndpointHealth] = {}
+
+
+class LearnerMetrics(Message, frozen=True):
+    """The Learner's numbers, on the telemetry channel (topic ``learner|``): one after each
+    step, and one for an evaluation outside a step (the initial one at ``step`` 0, the
+    final one when the last step did not evaluate: ``reward_mean`` and ``loss`` None). For a watching
+    actor: subscribe to ``LEARNER_METRICS_TOPIC`` on a SUB bound to channel ``telemetry``.
+    Lossy like all telemetry (dropped at the high-water mark); ``summary.json`` and
+    ``metrics/<learner>.jsonl`` are the complete record."""
+
+    learner: str
+    incarnation: int
+    step: int
+    """The learner's version after this step (0: before training)."""
+    time_s: float
+    """Unix seconds when it was sent."""
+    reward_mean: float | None = None
+    """Mean training reward of the step's rollouts; None: no step (an evaluation alone)."""
+    loss: float | None = None
+    """The step's GRPO loss; None: no step (an evaluation alone)."""
+    rollouts: int = 0
+    """Rollouts trained by this step."""
+    evaluated: bool = False
+    """True when this step ran a held-out evaluation (the ``eval_*`` fields below)."""
+    eval_pass_at_1: float | None = None
+    """Held-out pass@1, greedy, by the task's correctness predicate; None: not evaluated,
+    or the task declares no predicate."""
+    eval_mean_reward: float | None = None
+    """Mean training reward of the greedy held-out completions."""
+    eval_pass_at_k: float | None = None
+    """Held-out pass@k from sampled completions (unbiased estimator); None: not sampled."""
+    eval_k: int = 0
+    """k of ``eval_pass_at_k`` (0: not sampled)."""
 
 
 class MetricsRecord(Message, frozen=True):
@@ -833,6 +868,7 @@ AnyMessage = (
     | RunEndedSeen
     | EndOfStreamMsg
     | Heartbeat
+    | LearnerMetrics
     | MetricsRecord
     | WorkRequest
     | TaskLease

@@ -5,6 +5,11 @@
     async with Pipeline([CounterSource("a"), CounterSink("sink")]) as pipeline:
         await pipeline.wait()
 
+``task`` and ``reward`` take Python objects (a ``Task``, a ``(prompt, completion) -> float``
+function) that every actor of the pipeline uses instead of importing ``JobConfig.task`` /
+``JobConfig.reward``: in one process nothing needs an import string. A launched run names
+them by import string, since each process it starts imports them itself.
+
 Addresses come from the same derivation as the launcher's, with every actor placed in one
 process (so every channel is ``inproc://``). Entering returns once every actor's setup is
 done; leaving always stops the actors and closes every socket.
@@ -28,7 +33,9 @@ from types import TracebackType
 
 from echo2.actor import Actor
 from echo2.errors import ConfigError
+from echo2.job import JobObjects
 from echo2.runtime import ProcessRuntime
+from echo2.tasks.base import RewardFn, Task, require_objects
 from echo2.topology import DEFAULT_HOST, HostSpec, Placement, derive_addresses
 
 log = logging.getLogger("echo2.pipeline")
@@ -46,6 +53,8 @@ class Pipeline:
         *,
         run_dir: str | Path | None = None,
         drain_timeout_s: float = 10.0,
+        task: Task | None = None,
+        reward: RewardFn | None = None,
     ) -> None:
         names = [actor.name for actor in actors]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -54,6 +63,8 @@ class Pipeline:
         self.actors = list(actors)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.drain_timeout_s = drain_timeout_s
+        require_objects(task, reward)
+        self.job_objects = JobObjects(task=task, reward=reward) if task is not None or reward is not None else None
         places = [Placement(actor=a.name, process=_PROCESS, host=DEFAULT_HOST, ports=a.ports) for a in self.actors]
         # Pure and validating: a connector without a binder fails here, before any I/O.
         self._addresses = derive_addresses(places, {DEFAULT_HOST: HostSpec()}, run_id=f"pipeline-{id(self):x}")
@@ -79,6 +90,7 @@ class Pipeline:
             run_dir=self.run_dir,
             drain_timeout_s=self.drain_timeout_s,
             telemetry_connect=self._addresses.telemetry.get(_PROCESS, ()),
+            job_objects=self.job_objects,
         )
         self._task = asyncio.create_task(self._runtime.run(), name="echo2-pipeline")
         ready = asyncio.ensure_future(self._runtime.wait_ready())

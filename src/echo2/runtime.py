@@ -33,6 +33,7 @@ from pathlib import Path
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
+from echo2.job import JobObjects
 from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHealth, Heartbeat
 from echo2.observe.health import ActorState, ProcessHealth, health_routes, heartbeat_timeout_s
 from echo2.observe.http import serve
@@ -64,6 +65,7 @@ class ProcessRuntime:
         resume: bool = False,
         metrics_port: int = 0,
         recording: RecordingSettings | None = None,
+        job_objects: JobObjects | None = None,
     ) -> None:
         self.actors = list(actors)
         self.metrics_port = metrics_port
@@ -87,6 +89,8 @@ class ProcessRuntime:
         self._curve = curve
         self.resume = resume
         self._recording = recording
+        self.job_objects = job_objects
+        """A task and reward given as objects (the embedding API), handed to every actor."""
         self._transport = transport
         self._owns_transport = transport is None
         self._forced = False
@@ -167,6 +171,7 @@ class ProcessRuntime:
                         resume=self.resume,
                         on_record=self._records.observe if self.metrics_port else None,
                         recording=self._recording,
+                        job_objects=self.job_objects,
                     )
                     stack.callback(self._close_context, ctx)
                     stack.push_async_callback(_aclose_actor, actor)

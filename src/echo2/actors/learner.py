@@ -57,11 +57,21 @@ from echo2.actor import Actor, ActorConfig, Port, until_stopping
 from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
 from echo2.job import JobConfig
-from echo2.messages import Batch, BatchRequest, BufferStats, LearnerCheckpointed, LearnerStats, ScoredGroup, Snapshot
+from echo2.messages import (
+    LEARNER_METRICS_TOPIC,
+    Batch,
+    BatchRequest,
+    BufferStats,
+    LearnerCheckpointed,
+    LearnerMetrics,
+    LearnerStats,
+    ScoredGroup,
+    Snapshot,
+)
 from echo2.rl import DEFAULT_MICROBATCH_TOKENS, LossName, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
-from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, score_heldout
+from echo2.tasks.evaluation import PASS_AT_1, HeldoutScore, pass_at_k_name, score_heldout, score_sampled
 from echo2.training.accounting import TrainingAccount
 from echo2.training.checkpoint import (
     TRAINED_TASKS_FILE,
@@ -149,6 +159,12 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Steps between greedy evaluations on held-out prompts (0: only the final one)."""
     eval_prompts: Annotated[int, Meta(ge=0)] = 500
     """Held-out prompts per evaluation."""
+    eval_pass_at_k: Annotated[int, Meta(ge=0)] = 0
+    """k of a sampled pass@k beside greedy pass@1 at each evaluation (0: off, the default:
+    it generates ``eval_samples`` completions per held-out prompt)."""
+    eval_samples: Annotated[int, Meta(ge=0)] = 0
+    """n, completions sampled per held-out prompt for pass@k at the job's temperature and
+    top-p (n >= k; 0: n = k). A larger n lowers the estimator's variance."""
     checkpoint_every: Annotated[int, Meta(ge=0)] = 100
     """Steps between checkpoints in the run directory (0: only the final one)."""
     log_every: Annotated[int, Meta(ge=1)] = 10
@@ -164,6 +180,13 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
     (the batch is still consumed and accounted: staleness, rewards). For capacity and
     scheduling benchmarks, where a stable T_train matters and the model does not."""
+
+    def __post_init__(self) -> None:
+        if self.eval_samples and self.eval_samples < self.eval_pass_at_k:
+            raise ValueError(
+                f"eval_samples ({self.eval_samples}) must be >= eval_pass_at_k ({self.eval_pass_at_k}): "
+                "pass@k is estimated from n >= k samples per prompt"
+            )
 
 
 class Learner(Actor):
@@ -213,7 +236,7 @@ class Learner(Actor):
 
             self._eval_engine = HFTorchEngine(policy=self.policy)
         self.policy.model.train()
-        self.task = load_job_task(self.job)
+        self.task = load_job_task(self.job, self.ctx.job_objects)
         self.heldout = self.task.heldout(self.config.eval_prompts)
         self.version = 0
         self.incarnation = self.config.incarnation
@@ -266,6 +289,7 @@ class Learner(Actor):
     async def run(self) -> None:
         self.evals.append(await asyncio.to_thread(self.evaluate))
         self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
+        await self._publish_metrics(None, self.evals[-1])
         started = time.monotonic()  # wall_s covers training, not the initial evaluation
         await self._publish()
         await self._request()
@@ -300,15 +324,39 @@ class Learner(Actor):
             self.version += 1
             if self.version % self.kappa == 0:
                 await self._publish()
+            evaluation = None
             if self.config.eval_every and self.version % self.config.eval_every == 0:
-                self.evals.append(await asyncio.to_thread(self.evaluate))
-                record.update(_eval_record(self.evals[-1]))
+                evaluation = await asyncio.to_thread(self.evaluate)
+                self.evals.append(evaluation)
+                record.update(_eval_record(evaluation))
+            await self._publish_metrics(record, evaluation)
             if self.config.checkpoint_every and self.version % self.config.checkpoint_every == 0:
                 await self._checkpoint()
             self.ctx.record("step", step=self.version, wait_s=round(wait_s, 5), unix_s=round(time.time(), 3), **record)
             if self.version % self.config.log_every == 0 or "eval_mean_reward" in record:
                 last_log = self._log_progress(record, last_log)
         await self._finish(time.monotonic() - started, stopped_by)
+
+    async def _publish_metrics(self, record: dict[str, Any] | None, evaluation: HeldoutScore | None) -> None:
+        """This step's ``LearnerMetrics`` on telemetry, for watching actors (best effort)."""
+        sampled = evaluation.sampled if evaluation is not None else None
+        await self.ctx.publish_telemetry(
+            LEARNER_METRICS_TOPIC,
+            LearnerMetrics(
+                learner=self.name,
+                incarnation=self.incarnation,
+                step=self.version,
+                time_s=time.time(),
+                reward_mean=None if record is None else float(record["reward_mean"]),
+                loss=None if record is None else float(record["loss"]),
+                rollouts=0 if record is None else int(record["rollouts"]),
+                evaluated=evaluation is not None,
+                eval_pass_at_1=None if evaluation is None else evaluation.pass_at_1,
+                eval_mean_reward=None if evaluation is None else evaluation.mean_reward,
+                eval_pass_at_k=None if sampled is None else sampled.pass_at_k,
+                eval_k=0 if sampled is None else sampled.k,
+            ),
+        )
 
     async def _request(self, version: int | None = None) -> None:
         self._request_id += 1
@@ -367,12 +415,33 @@ class Learner(Actor):
 
     def evaluate(self) -> HeldoutScore:
         """Greedy completions of the fixed held-out prompts, scored by the task's correctness
-        predicate (pass@1) and by the training reward (``echo2.tasks.evaluation``)."""
+        predicate (pass@1) and by the training reward; with ``eval_pass_at_k``, also
+        sampled ones for pass@k (``echo2.tasks.evaluation``)."""
+        import dataclasses
+
+        from echo2.engines.base import SamplingParams
+
         engine = self._eval_engine
         ids = [engine.encode_prompt(p.text) for p in self.heldout]
         completions = engine.greedy(ids, max_new_tokens=self.job.max_new_tokens)
+        score = score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
+        k = self.config.eval_pass_at_k
+        if k:
+            job = self.job
+            # Seeded by step: the same evaluation in a rerun, a fresh draw at each step.
+            params = SamplingParams(job.temperature, job.top_p, job.max_new_tokens, seed=job.seed + self.version)
+            samples = engine.generate(ids, self.config.eval_samples or k, params)
+            sampled = score_sampled(
+                self.task,
+                self.heldout,
+                [[c.text for c in row] for row in samples],
+                k=k,
+                temperature=job.temperature,
+                top_p=job.top_p,
+            )
+            score = dataclasses.replace(score, sampled=sampled)
         self.policy.model.train()
-        return score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
+        return score
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -451,6 +520,7 @@ class Learner(Actor):
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         if not self.evals or self.evals[-1].step != self.version:
             self.evals.append(await asyncio.to_thread(self.evaluate))
+            await self._publish_metrics(None, self.evals[-1])
         await self._checkpoint()
         self.trainer.close()  # after the last evaluation and checkpoint: a sharded trainer's ranks join those
         busy = self.wait_s + self.train_s
@@ -509,13 +579,38 @@ class Learner(Actor):
             "initial_accuracy": first.pass_at_1,
             "final_accuracy": last.pass_at_1,
             "accuracy_by_step": [[e.step, e.pass_at_1] for e in self.evals],
+            **_pass_at_k_summary(self.evals),
         }
 
 
 def _describe(score: HeldoutScore) -> str:
-    """``pass@1 0.440, mean reward 0.440`` (pass@1 "n/a" when the task declares no predicate)."""
+    """``pass@1 0.440 (greedy), pass@4 0.700 (8 samples/prompt, T=1), mean reward 0.440``
+    ("n/a" when the task declares no predicate; pass@k only when sampled)."""
     passed = "n/a" if score.pass_at_1 is None else f"{score.pass_at_1:.3f}"
-    return f"{PASS_AT_1} {passed}, mean reward {score.mean_reward:.3f}"
+    text = f"{PASS_AT_1} {passed} (greedy)"
+    if (sampled := score.sampled) is not None:
+        value = "n/a" if sampled.pass_at_k is None else f"{sampled.pass_at_k:.3f}"
+        text += f", {pass_at_k_name(sampled.k)} {value} ({sampled.samples_per_prompt} samples/prompt, T={sampled.temperature:g})"
+    return f"{text}, mean reward {score.mean_reward:.3f}"
+
+
+def _pass_at_k_summary(evals: list[HeldoutScore]) -> dict[str, Any]:
+    """``summary.json``'s pass@k fields, present only when the evaluation sampled."""
+    first, last = evals[0].sampled, evals[-1].sampled
+    if first is None or last is None:
+        return {}
+    return {
+        "eval_pass_at_k_metric": pass_at_k_name(last.k),
+        "eval_pass_at_k_decoding": (
+            f"{last.samples_per_prompt} samples per prompt at temperature {last.temperature:g}, "
+            f"top_p {last.top_p:g}; unbiased estimator (Chen et al. 2021)"
+        ),
+        "eval_pass_at_k_k": last.k,
+        "eval_pass_at_k_samples": last.samples_per_prompt,
+        "initial_pass_at_k": first.pass_at_k,
+        "final_pass_at_k": last.pass_at_k,
+        "pass_at_k_by_step": [[e.step, e.sampled.pass_at_k] for e in evals if e.sampled is not None],
+    }
 
 
 def _eval_record(score: HeldoutScore) -> dict[str, Any]:
@@ -523,6 +618,8 @@ def _eval_record(score: HeldoutScore) -> dict[str, Any]:
     record: dict[str, Any] = {"eval_mean_reward": score.mean_reward}
     if score.pass_at_1 is not None:
         record["accuracy"] = score.pass_at_1
+    if score.sampled is not None and score.sampled.pass_at_k is not None:
+        record["pass_at_k"] = score.sampled.pass_at_k
     return record
 
 

@@ -68,7 +68,7 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
-from echo2.job import JobConfig
+from echo2.job import JobConfig, JobObjects
 from echo2.messages import (
     HEARTBEAT_TOPIC,
     INSTALLED_TOPIC,
@@ -185,9 +185,9 @@ class PromptSource(Actor):
     }
     config: PromptSourceConfig
 
-    def setup_state(self) -> None:
+    def setup_state(self, job_objects: JobObjects | None = None) -> None:
         job = self.job
-        self._task = load_job_task(job)
+        self._task = load_job_task(job, job_objects)
         self._prompts = self._task.prompts(job.seed)
         self._retry: deque[tuple[Prompt, int]] = deque()  # (prompt, attempt) to re-issue first
         self._credits: dict[bytes, int] = {}
@@ -249,7 +249,7 @@ class PromptSource(Actor):
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
-        self.setup_state()
+        self.setup_state(ctx.job_objects)
         self._prompt_codec: PromptCodec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._lease_queries = ctx.open("leases")
         self._tasks_ep = ctx.open("tasks")

@@ -92,7 +92,7 @@ class Rewarder(Actor):
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
-        self._task = load_job_task(self.job)
+        self._task = load_job_task(self.job, ctx.job_objects)
         self._bounds = reward_range(self._task)
         self._codec = await asyncio.to_thread(trusted_prompt_codec, self.job)
         self._pool = self._new_pool()

@@ -3,7 +3,10 @@
 A task is any object with ``name``, ``prompts(seed)``, ``heldout(n)`` and
 ``reward(prompt, completion)`` (:class:`Task`). Users plug their own in by import path
 (``load_task("my_pkg.tasks:make_task")``) and may swap only the reward
-(``load_reward("my_pkg.rewards:exact")`` + :func:`with_reward`).
+(``load_reward("my_pkg.rewards:exact")`` + :func:`with_reward`). In one process (the
+embedding API) the task and reward may be the objects themselves (``echo2.job.JobObjects``,
+:func:`load_job_task`); a launched run names them by import string, since every process
+it starts imports them.
 
 Optional members a task may add (each has a fallback, see the functions named):
 
@@ -40,7 +43,7 @@ from echo2.errors import ConfigError, ResolveError
 from echo2.registry import REWARDS, TASKS
 
 if TYPE_CHECKING:
-    from echo2.job import JobConfig
+    from echo2.job import JobConfig, JobObjects
 
 RewardFn = Callable[["Prompt", str], float]
 CorrectFn = Callable[["Prompt", str], bool]
@@ -102,20 +105,28 @@ def load_task(spec: str, **kwargs: Any) -> Task:
     return task
 
 
-def load_reward(spec: str) -> RewardFn:
+def load_reward(spec: str | RewardFn) -> RewardFn:
     """A reward function ``(prompt, completion) -> float``: a built-in name (``"exact"``,
-    ``"math_answer"``; ``echo2.registry.REWARDS``) or ``"module:function"``.
+    ``"math_answer"``; ``echo2.registry.REWARDS``), ``"module:function"``, or (in one
+    process) the function itself. Its ``check()``, if any, runs either way.
 
     Raises ``ResolveError`` (a ValueError) naming ``spec``.
     """
-    fn: RewardFn = REWARDS.resolve(spec, callable, "a function")
+    if not callable(spec) and not isinstance(spec, str):
+        raise ResolveError(f"a reward is a name, 'module:function' or a function, not a {type(spec).__name__}")
+    fn: RewardFn = spec if callable(spec) else REWARDS.resolve(spec, callable, "a function")
     check = getattr(fn, "check", None)
     if callable(check):
         try:
             check()
         except Exception as exc:  # user code: any failure means the reward cannot run here
-            raise ResolveError(f"reward {spec!r} cannot run on this machine: {exc}") from exc
+            raise ResolveError(f"reward {_label(spec)} cannot run on this machine: {exc}") from exc
     return fn
+
+
+def _label(spec: object) -> str:
+    """How an error names a spec: the string quoted, an object by its qualified name."""
+    return repr(spec) if isinstance(spec, str) else getattr(spec, "__qualname__", type(spec).__name__)
 
 
 def declares_reward_range(low: float, high: float) -> Callable[[_F], _F]:
@@ -209,10 +220,56 @@ def with_reward(task: Task, reward_fn: RewardFn | None) -> Task:
     return task if reward_fn is None else _RewardOverride(task, reward_fn)
 
 
-def load_job_task(job: JobConfig) -> Task:
-    """The job's task, with its reward replaced when ``job.reward`` names one."""
-    task = load_task(job.task, **job.task_kwargs)
-    return with_reward(task, load_reward(job.reward) if job.reward else None)
+def load_job_task(job: JobConfig, given: JobObjects | None = None) -> Task:
+    """The job's task, with its reward replaced when ``job.reward`` names one.
+
+    ``given``: a task and/or reward passed as objects in this process (the embedding API),
+    used instead of ``job.task`` / ``job.reward``. ``ConfigError`` naming the field when
+    the two disagree or the object is not a task."""
+    task_obj = given.task if given is not None else None
+    reward_obj = given.reward if given is not None else None
+    if task_obj is None:
+        task = load_task(import_string(job.task, "job.task"), **job.task_kwargs)
+    else:
+        require_objects(task_obj, None)
+        if job.task_kwargs:
+            raise ConfigError(
+                "apply to a task named by job.task, not to a task given as an object", path="job.task_kwargs"
+            )
+        task = task_obj
+    if reward_obj is not None and job.reward:
+        raise ConfigError(f"names {job.reward!r} and a reward object is given too: pick one", path="job.reward")
+    reward_spec = (
+        reward_obj if reward_obj is not None else import_string(job.reward, "job.reward") if job.reward else None
+    )
+    return with_reward(task, load_reward(reward_spec) if reward_spec is not None else None)
+
+
+def require_objects(task: object, reward: object) -> None:
+    """``ConfigError`` (field ``task`` or ``reward``) unless ``task`` is None or a :class:`Task`
+    and ``reward`` None or a function: what the embedding API accepts as objects."""
+    if task is not None and not isinstance(task, Task):
+        raise ConfigError(
+            f"a {type(task).__name__} lacks the Task interface (name, prompts, heldout, reward)", path="task"
+        )
+    if reward is not None and not callable(reward):
+        raise ConfigError(
+            f"a reward is a function (prompt, completion) -> float, not a {type(reward).__name__}", path="reward"
+        )
+
+
+def import_string(value: object, field: str) -> str:
+    """``value`` if it is an import string; else ``ConfigError`` naming ``field`` and saying
+    why a string is needed there and where an object goes instead."""
+    if isinstance(value, str):
+        return value
+    raise ConfigError(
+        f"a {type(value).__name__} object where an import string is needed (a built-in name or "
+        "'module:attr'): a JobConfig travels to every process a launched run starts, and each imports "
+        "its task and reward by name. To use an object in this process, pass it to "
+        "echo2.Pipeline(actors, task=..., reward=...)",
+        path=field,
+    )
 
 
 def check_job_task(job: JobConfig) -> None:
@@ -222,12 +279,12 @@ def check_job_task(job: JobConfig) -> None:
     factory's signature (names and annotated types). Raises ``ConfigError`` naming the field (``job.task: ...``).
     """
     try:
-        factory = task_factory(job.task)
+        factory = task_factory(import_string(job.task, "job.task"))
     except ResolveError as exc:
         raise ConfigError(str(exc), path="job.task") from None
     check_kwargs(factory, job.task_kwargs, "job.task_kwargs", name=repr(job.task))
     if job.reward:
         try:
-            load_reward(job.reward)
+            load_reward(import_string(job.reward, "job.reward"))
         except ResolveError as exc:
             raise ConfigError(str(exc), path="job.reward") from None

@@ -30,7 +30,8 @@ epoch where it stopped without replaying it.
 Reward and metric: ``reward`` names the training reward (``"exact"``, ``"math_answer"``,
 ``"math_verify"``, ``"code_tests"`` or ``"module:function"``); ``correct`` names the correctness predicate that held-out pass@1
 counts. By default it is the reward itself when that is a built-in binary one; with a custom
-reward there is no predicate (pass@1 is not reported) unless ``correct`` names one.
+reward there is no predicate (pass@1 is not reported) unless ``correct`` names one. Built in
+Python (the embedding API), ``reward`` and ``correct`` may be the functions themselves.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class DatasetTask:
         shuffle: bool = True,
         format: str = "",
         split: str = "train",
-        reward: str = "exact",
-        correct: str = "",
+        reward: str | RewardFn = "exact",
+        correct: str | CorrectFn = "",
         name: str = "",
     ) -> None:
         if not 0.0 < heldout_fraction < 1.0:

@@ -604,6 +604,11 @@ def headline_rows(data: RunData) -> list[tuple[str, str]]:
                     "n/a (the task declares no correctness predicate)" if value is None else _format(value) + measured
                 )
                 rows.append((key, shown))
+            if "initial_pass_at_k" in summary:  # sampled, when the learner was asked to
+                sampled = f" ({summary.get('eval_pass_at_k_metric', 'pass@k')}: {summary.get('eval_pass_at_k_decoding', '?')})"
+                for key in ("initial_pass_at_k", "final_pass_at_k"):
+                    value = summary.get(key)
+                    rows.append((key, "n/a" if value is None else _format(value) + sampled))
             for key in ("initial_eval_mean_reward", "final_eval_mean_reward"):
                 rows.append((key, _format(summary.get(key))))
         else:  # a run from before pass@1 was named
