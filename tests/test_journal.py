@@ -19,7 +19,7 @@ from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
 from echo2.errors import JournalDamaged
 from echo2.job import JobConfig
 from echo2.journal import Journal
-from echo2.messages import LeaseClosed, TaskLease, WorkRequest
+from echo2.messages import Hello, LeaseClosed, SayHello, TaskLease, Welcome, WorkRequest
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport import Transport
@@ -179,6 +179,19 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
     second = PromptSource("ps", CONFIG, JOB)
     async with _running(second, transport, restarted, resume=False) as prefix:
         assert second.statistics().open_leases == 3
+        # The sampler that holds them kept running: its next WorkRequest is not served but
+        # answered with SayHello; its Hello is welcomed and its leases stay open.
+        survivor = transport.dealer(name="s0", connect=[f"inproc://{prefix}/tasks"], identity=b"s0")
+        try:
+            await survivor.send(WorkRequest(sampler_id="s0", credits=1, incarnation=0, installed_version=0))
+            assert isinstance(await survivor.recv(), SayHello)
+            await survivor.send(Hello(peer_id="s0", role="sampler"))
+            welcome = await survivor.recv()
+            assert isinstance(welcome, Welcome) and welcome.accepted
+        finally:
+            survivor.close()
+        assert second.statistics().open_leases == 3
+        assert second.statistics().unwelcomed_dropped == {"WorkRequest": 1}
         [fresh] = await _leases(transport, prefix, 1, name="s1")
     assert wal.lease_incarnation(fresh.lease_id) == 2
     assert fresh.task_id not in seen and fresh.attempt == 0

@@ -87,6 +87,7 @@ from echo2.messages import (
     PromptSourceStats,
     RunEnded,
     RunEndedSeen,
+    SayHello,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -256,6 +257,7 @@ class PromptSource(Actor):
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
         self._unwelcomed_dropped: dict[str, int] = {}
+        self._asked_hello: dict[bytes, float] = {}  # route -> when it was last sent SayHello
         self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
 
     async def setup(self, ctx) -> None:
@@ -475,6 +477,7 @@ class PromptSource(Actor):
                     # nothing it sends is served.
                     kind = type(message).__name__
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
+                    await self._ask_hello(peer)
                 elif isinstance(message, WorkRequest):
                     # Clamped: a peer asking for 10^6 leases would get every task the window
                     # admits, starving the other samplers until those leases expire.
@@ -535,6 +538,18 @@ class PromptSource(Actor):
             self.counters["leases_of_restarted_samplers"] += len(held)
             self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
         await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=True, model=self._model))
+
+    async def _ask_hello(self, peer: bytes) -> None:
+        """Tell a connection we do not know to say Hello (a sampler that outlived our
+        restart keeps sending WorkRequests we would otherwise drop for ever); once a
+        second per connection, and the table of when is bounded."""
+        now = time.monotonic()
+        if now - self._asked_hello.get(peer, -math.inf) < 1.0:
+            return
+        if len(self._asked_hello) >= 4096:
+            self._asked_hello.clear()
+        self._asked_hello[peer] = now
+        await self._tasks_ep.send(peer, SayHello(server_id=self.name))
 
     def _sampler_name(self, peer: bytes) -> str:
         """The name a welcomed connection holds (its routing id is per connection)."""
