@@ -1,6 +1,6 @@
 """Journal: what the PromptSource's write-ahead log costs per lease, by fsync policy.
 
-    python benchmarks/journal.py [--leases 20000] [--repeats 5] [--job-seconds 0] [--json]
+    python -m benchmarks.journal [--leases 20000] [--repeats 5] [--job-seconds 0] [--json]
 
 Each lease costs the PromptSource two records (``Issued`` before it is sent, ``Settled``
 when it closes). This appends that pair ``--leases`` times to a journal in a temporary
