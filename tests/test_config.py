@@ -47,6 +47,7 @@ ENUM_TYPOS = {
     "actors.sampler.config.engine": ("vlm", "Expected one of 'hf', 'simulated', 'torch', 'vllm', got 'vlm'"),
     "actors.sampler.config.weights_data_plane": ("tcp", "Expected one of 'stream', 'zmq', got 'tcp'"),
     "actors.weight_publisher.config.mode": ("chain", "Expected one of 'relay', 'star', 'striped', got 'chain'"),
+    "actors.prompt_source.config.journal_fsync": ("fsync", "Expected one of 'always', 'none', got 'fsync'"),
     "actors.prompt_source.config.activation": (
         "cost-aware",
         "Expected one of 'all', 'cost_aware', 'random', got 'cost-aware'",

@@ -220,10 +220,11 @@ def test_start_positions_the_stream_without_replaying_it(tmp_path: Path) -> None
     assert next(prompt_stream(Endless(), 0, 5)).task_id == "p5" and len(calls) == 6  # type: ignore[arg-type]
 
 
-def _source(job: JobConfig, run_dir: Path) -> PromptSource:
+def _source(job: JobConfig, run_dir: Path, *, resume: bool = False) -> PromptSource:
     source = PromptSource("prompt_source", job=job)
-    source.ctx = SimpleNamespace(run_dir=run_dir, log=logging.getLogger("test"))  # type: ignore[assignment]
+    source.ctx = SimpleNamespace(run_dir=run_dir, log=logging.getLogger("test"), resume=resume)  # type: ignore[assignment]
     source.setup_state()
+    source._open_journal()  # what setup does: recover from the lease journal, if any
     return source
 
 
@@ -245,10 +246,9 @@ def test_a_resumed_prompt_source_continues_the_epoch_where_it_stopped(tmp_path: 
     n = DatasetTask(str(data), prompt_field="q", answer_field="a").train_size
     first = _source(job, tmp_path)
     before = _issue(first, n // 3)
-    first._save_state()
+    first._compact_journal()  # what a stop does (a kill -9 leaves the log: the same state)
 
-    resumed = _source(job, tmp_path)
-    resumed._load_state()
+    resumed = _source(job, tmp_path, resume=True)
     after = _issue(resumed, 10 * n)  # to the end of the stream
     assert len(after) == 2 * n - len(before)  # epochs counted across the restart; then it stops
     epoch0 = before + after[: n - len(before)]
@@ -256,6 +256,9 @@ def test_a_resumed_prompt_source_continues_the_epoch_where_it_stopped(tmp_path: 
     assert len(epoch0) == n and all(p.task_id.endswith("@e0") for p in epoch0)  # none skipped
     assert [p.task_id for p in epoch0] == [p.task_id for p in itertools.islice(first._task.prompts(4), n)]
     assert resumed._issued_tasks == 2 * n and resumed._next_prompt() is None
+    for source in (first, resumed):
+        assert source._journal is not None
+        source._journal.close()
 
 
 # -- the launcher's checks -----------------------------------------------------------------

@@ -10,6 +10,7 @@
     ├── TransportError              a socket could not be opened, bound or used
     │   └── ClosedError             the endpoint was closed by this process
     ├── CheckpointInvalid           a learner checkpoint is incomplete or damaged (one line: what)
+    ├── JournalDamaged              an actor's write-ahead log or snapshot does not decode (echo2.journal)
     ├── ModelMismatch               a worker's model is not the job's (one line: what differs)
     ├── EndOfStream                 every producer of a channel said it is done (not a failure)
     └── ActorFailed                 an actor's run() raised; carries the actor name
@@ -58,6 +59,11 @@ class ClosedError(TransportError):
 class CheckpointInvalid(Echo2Error):
     """A learner checkpoint is incomplete or damaged. ``str(err)`` is one line: what is wrong
     (a file missing, truncated or not matching its digest; no manifest; unreadable)."""
+
+
+class JournalDamaged(Echo2Error):
+    """An actor's write-ahead log or snapshot (``echo2.journal``) does not decode: one line
+    naming the file and where. A record cut short by a crash is not this: it is dropped."""
 
 
 class ModelMismatch(Echo2Error):

@@ -195,6 +195,15 @@ class Probe(Message, frozen=True):
     server_id: str
 
 
+class SayHello(Message, frozen=True):
+    """Server -> a connection it has not welcomed that sent it work traffic: the server
+    restarted (and so knows no names) or never heard this client's ``Hello``. Nothing that
+    connection sent was served; the client says ``Hello`` again and, once welcomed,
+    re-grants the credits it is still owed. Sent at most once a second per connection."""
+
+    server_id: str
+
+
 class EndOfStreamMsg(Message, frozen=True):
     """A producer will send nothing more on this channel."""
 
@@ -864,6 +873,7 @@ AnyMessage = (
     Hello
     | Welcome
     | Probe
+    | SayHello
     | RunEnded
     | RunEndedSeen
     | EndOfStreamMsg

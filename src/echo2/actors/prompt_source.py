@@ -51,13 +51,12 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import json
 import math
 import secrets
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import msgspec
@@ -66,9 +65,11 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actors import lease_journal as wal
 from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.job import JobConfig, JobObjects
+from echo2.journal import FsyncPolicy, Journal
 from echo2.messages import (
     HEARTBEAT_TOPIC,
     INSTALLED_TOPIC,
@@ -87,6 +88,7 @@ from echo2.messages import (
     PromptSourceStats,
     RunEnded,
     RunEndedSeen,
+    SayHello,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -158,6 +160,12 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     by hundredths on the built-in model; another model or invented log-probs by more."""
     quarantine_mismatch_steps: Annotated[int, Meta(ge=1)] = 5
     """Consecutive learner steps over ``quarantine_mismatch`` after which it is quarantined."""
+    journal_fsync: FsyncPolicy = "none"
+    """When the lease journal reaches the disk: "none" (each record written before its lease
+    is sent: survives a kill -9 of this process) or "always" (fsync per record: survives a
+    host crash). See ``echo2.journal``."""
+    journal_compact_records: Annotated[int, Meta(ge=1)] = 10000
+    """Records after which the lease journal is compacted into a snapshot."""
 
 
 @dataclass
@@ -168,7 +176,10 @@ class _Lease:
     sampler: bytes
     deadline: float
     record: LeaseRecord
+    issued: wal.Issued
     expiring: bool = False
+    restored: bool = False
+    """Issued by a previous incarnation of this PromptSource (restart), still open."""
 
 
 class PromptSource(Actor):
@@ -194,7 +205,9 @@ class PromptSource(Actor):
         self._ready_samplers: deque[bytes] = deque()
         self._leases: dict[int, _Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
+        self._incarnation = 0
+        self._lease_ids: Iterator[int] = itertools.count(1)
+        self._journal: Journal[wal.Record, wal.State] | None = None
         self._next_version = 0
         self._learner_incarnation = 0
         self._installed: dict[bytes, int] = {}  # peer -> installed version it reported
@@ -245,6 +258,7 @@ class PromptSource(Actor):
         self._decision: SchedulerDecision | None = None
         self.dollars_spent = 0.0
         self._unwelcomed_dropped: dict[str, int] = {}
+        self._asked_hello: dict[bytes, float] = {}  # route -> when it was last sent SayHello
         self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
 
     async def setup(self, ctx) -> None:
@@ -264,57 +278,89 @@ class PromptSource(Actor):
         self._completions = ctx.open("completions")
         self._control = ctx.open("lease_control")
         self._telemetry = ctx.open("telemetry", subscribe=[HEARTBEAT_TOPIC, INSTALLED_TOPIC])
-        if ctx.resume:
-            self._load_state()
+        self._open_journal()
 
-    # -- checkpoint ------------------------------------------------------------------
+    # -- the lease journal (echo2.actors.lease_journal) -------------------------------
 
-    def _state_path(self) -> Path | None:
-        return None if self.ctx.run_dir is None else RunDir(self.ctx.run_dir).state_path(self.name, ".json")
-
-    def _save_state(self) -> None:
-        """Where the prompt stream stands, and the work to re-issue after a restart."""
-        path = self._state_path()
-        if path is None:
-            return
-        pending = [(p, a) for p, a in self._retry] + [
-            (lease.prompt, lease.attempt + 1) for lease in self._leases.values()
-        ]
-        state = {
-            "issued_tasks": self._issued_tasks,
-            # The in-flight window's counters must agree with the Buffer's restored ones.
-            "stored": self._stored,
-            "trained": self._trained,
-            "dropped_after_store": self._dropped_after_store,
-            "retry": [[p.task_id, p.text, p.answer, attempt, p.meta] for p, attempt in pending],
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, default=str))  # (meta a task filled with other types)
-        tmp.replace(path)
-
-    def _load_state(self) -> None:
-        path = self._state_path()
-        if path is None or not path.exists():
-            self.ctx.log.warning("--resume: no prompt source state at %s; starting the stream over", path)
-            return
-        state = json.loads(path.read_text())
-        # The stream is deterministic per seed: continue it where it stopped.
-        self._prompts = prompt_stream(self._task, self.job.seed, start=state["issued_tasks"])
-        self._issued_tasks = state["issued_tasks"]
-        self._stored, self._trained = state["stored"], state["trained"]
-        self._dropped_after_store = state["dropped_after_store"]
-        # Not the learner's version: a resumed learner goes back to its checkpoint, and the
-        # Buffer's next LearnerProgress says where it is.
-        self._retry.extend(
-            (Prompt(task_id=t, text=text, answer=answer, meta=meta[0] if meta else {}), attempt)
-            for t, text, answer, attempt, *meta in state["retry"]  # (states before meta have 4)
+    def _open_journal(self) -> None:
+        """Recover what a previous incarnation issued and settled, then journal from here."""
+        if self.ctx.run_dir is None:
+            return  # embedded without a run directory: nothing to survive a restart with
+        directory = RunDir(self.ctx.run_dir).checkpoints_dir
+        journal: Journal[wal.Record, wal.State] = Journal(
+            directory, self.name, wal.Record, wal.State, fsync=self.config.journal_fsync
         )
-        self.ctx.log.info("resumed after %d tasks; %d to re-issue", self._issued_tasks, len(self._retry))
+        if self.ctx.resume and not journal.exists():
+            self.ctx.log.warning("--resume: no lease journal in %s; starting the stream over", directory)
+        state, records = journal.open()
+        self._journal = journal
+        recovered = wal.recover(state, records)
+        self._incarnation = recovered.incarnation + 1
+        self._lease_ids = (wal.lease_id(self._incarnation, n) for n in itertools.count(1))
+        journal.append(wal.Started(incarnation=self._incarnation))
+        if state is None and not records:
+            return
+        # The stream is deterministic per seed: continue it where it stopped.
+        self._prompts = prompt_stream(self._task, self.job.seed, start=recovered.issued_tasks)
+        self._issued_tasks = recovered.issued_tasks
+        self._stored, self._trained = recovered.stored, recovered.trained
+        self._dropped_after_store = recovered.dropped_after_store
+        self._retry.extend((p.task.prompt(), p.attempt) for p in recovered.retry)
+        now = time.monotonic()
+        for issued in recovered.open.values():
+            prompt = issued.task.prompt()
+            if self.ctx.resume:
+                # A stopped run's samplers are gone with their leases: re-issue each now.
+                self._journal_append(wal.Settled(lease_id=issued.lease_id, requeue=True))
+                self._retry.append((prompt, issued.attempt + 1))
+                continue
+            # Restarted under a live run: the holder may still deliver; else it expires.
+            record = msgspec.structs.replace(
+                self._lease_record(issued.lease_id, prompt, issued.attempt, issued.sampler), token=issued.token
+            )
+            self._leases[issued.lease_id] = _Lease(
+                lease_id=issued.lease_id,
+                prompt=prompt,
+                attempt=issued.attempt,
+                sampler=issued.sampler,
+                deadline=now + self.config.lease_ttl_s,
+                record=record,
+                issued=issued,
+                restored=True,
+            )
+            heapq.heappush(self._deadlines, (now + self.config.lease_ttl_s, issued.lease_id))
+        self.ctx.log.info(
+            "incarnation %d recovered: %d tasks issued, %d leases open, %d to re-issue (journal: %d records, %d torn)",
+            self._incarnation, self._issued_tasks, len(self._leases), len(self._retry), len(records), journal.torn_records,
+        )  # fmt: skip
+
+    def _journal_append(self, record: wal.Record) -> None:
+        if self._journal is None:
+            return
+        self._journal.append(record)
+        if self._journal.records_written % self.config.journal_compact_records == 0:
+            self._compact_journal()
+
+    def _compact_journal(self) -> None:
+        if self._journal is None:
+            return
+        self._journal.compact(
+            wal.State(
+                incarnation=self._incarnation,
+                issued_tasks=self._issued_tasks,
+                stored=self._stored,
+                trained=self._trained,
+                dropped_after_store=self._dropped_after_store,
+                retry=[wal.Pending(wal.Task.of(p), a) for p, a in self._retry],
+                open=[lease.issued for lease in self._leases.values()],
+            )
+        )
 
     async def aclose(self) -> None:
-        if hasattr(self, "_leases"):
-            self._save_state()
+        journal = getattr(self, "_journal", None)  # absent when setup failed before it
+        if journal is not None:
+            self._compact_journal()
+            journal.close()
 
     def statistics(self) -> PromptSourceStats:
         return PromptSourceStats(
@@ -432,6 +478,7 @@ class PromptSource(Actor):
                     # nothing it sends is served.
                     kind = type(message).__name__
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
+                    await self._ask_hello(peer)
                 elif isinstance(message, WorkRequest):
                     # Clamped: a peer asking for 10^6 leases would get every task the window
                     # admits, starving the other samplers until those leases expire.
@@ -478,7 +525,13 @@ class PromptSource(Actor):
         if outcome.replaced is not None:
             self._credits.pop(outcome.replaced, None)
         now = time.monotonic()
-        held = [lease for lease in self._leases.values() if lease.sampler in previous and not lease.expiring]
+        # Except the leases a previous incarnation of this PromptSource sent on this very
+        # connection: the sampler kept running through our restart and may deliver them.
+        held = [
+            lease
+            for lease in self._leases.values()
+            if lease.sampler in previous and not lease.expiring and not (lease.restored and lease.sampler == peer)
+        ]
         for lease in held:
             lease.deadline = now
             heapq.heappush(self._deadlines, (now, lease.lease_id))
@@ -486,6 +539,18 @@ class PromptSource(Actor):
             self.counters["leases_of_restarted_samplers"] += len(held)
             self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
         await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=True, model=self._model))
+
+    async def _ask_hello(self, peer: bytes) -> None:
+        """Tell a connection we do not know to say Hello (a sampler that outlived our
+        restart keeps sending WorkRequests we would otherwise drop for ever); once a
+        second per connection, and the table of when is bounded."""
+        now = time.monotonic()
+        if now - self._asked_hello.get(peer, -math.inf) < 1.0:
+            return
+        if len(self._asked_hello) >= 4096:
+            self._asked_hello.clear()
+        self._asked_hello[peer] = now
+        await self._tasks_ep.send(peer, SayHello(server_id=self.name))
 
     def _sampler_name(self, peer: bytes) -> str:
         """The name a welcomed connection holds (its routing id is per connection)."""
@@ -504,8 +569,11 @@ class PromptSource(Actor):
                         self._learner_incarnation = message.incarnation
                         self._next_version = message.next_version
                     self._next_version = max(self._next_version, message.next_version)
-                    self._trained = max(self._trained, message.groups_trained)
-                    self._dropped_after_store = max(self._dropped_after_store, message.groups_dropped_after_store)
+                    trained = max(self._trained, message.groups_trained)
+                    dropped = max(self._dropped_after_store, message.groups_dropped_after_store)
+                    if (trained, dropped) != (self._trained, self._dropped_after_store):
+                        self._journal_append(wal.Progress(trained=trained, dropped_after_store=dropped))
+                    self._trained, self._dropped_after_store = trained, dropped
                     self.scheduler.observe_delivered(message.delivered_by_sampler)
             self._wakeup.set()
 
@@ -517,6 +585,8 @@ class PromptSource(Actor):
         if lease is None:
             return  # already settled (e.g. a repeated answer to a repeated ExpireLease)
         del self._leases[closed.lease_id]
+        requeue = closed.outcome in ("expired", "rejected") and lease.attempt + 1 < self.config.max_attempts
+        self._journal_append(wal.Settled(lease_id=closed.lease_id, requeue=requeue, stored=closed.outcome == "stored"))
         self.ctx.ledger(
             ledger.LeaseClosed(task=closed.task_id, lease=closed.lease_id, outcome=closed.outcome, reason=closed.reason)
         )
@@ -666,16 +736,17 @@ class PromptSource(Actor):
         )
         return max(0, self._next_version + ahead - self.job.staleness)
 
-    def _next_prompt(self) -> tuple[Prompt, int] | None:
+    def _next_prompt(self) -> tuple[Prompt, int, bool] | None:
+        """The next task to lease, its attempt, and whether it is new from the stream."""
         if self._retry:
-            return self._retry.popleft()
+            return (*self._retry.popleft(), False)
         if self.config.max_tasks and self._issued_tasks >= self.config.max_tasks:
             return None
         prompt = next(self._prompts, None)
         if prompt is None:  # a finite task (a dataset's last epoch) has issued everything
             return None
         self._issued_tasks += 1
-        return prompt, 0
+        return prompt, 0, True
 
     async def _issue(self) -> None:
         while True:
@@ -700,15 +771,25 @@ class PromptSource(Actor):
         if item is None:
             return "no_task"
         job = self.job
-        prompt, attempt = item
+        prompt, attempt, fresh = item
         lease_id = next(self._lease_ids)
+        record = self._lease_record(lease_id, prompt, attempt, peer)
+        issued = wal.Issued(
+            lease_id=lease_id,
+            task=wal.Task.of(prompt),
+            attempt=attempt,
+            sampler=peer,
+            token=record.token,
+            fresh=fresh,
+        )
         lease = _Lease(
             lease_id=lease_id,
             prompt=prompt,
             attempt=attempt,
             sampler=peer,
             deadline=time.monotonic() + self.config.lease_ttl_s,
-            record=self._lease_record(lease_id, prompt, attempt, peer),
+            record=record,
+            issued=issued,
         )
         message = TaskLease(
             lease_id=lease.lease_id,
@@ -723,11 +804,13 @@ class PromptSource(Actor):
             min_version=self._min_version(),
             token=lease.record.token,
         )
-        # Open before it is sent: its group may be looked up as soon as it is.
+        # Open (and journaled) before it is sent: its group may be looked up as soon as it is.
+        self._journal_append(issued)
         self._leases[lease.lease_id] = lease
         if not await self._tasks_ep.send(peer, message):
             # The sampler is gone: put the task back, forget its credit.
             del self._leases[lease.lease_id]
+            self._journal_append(wal.Settled(lease_id=lease_id, requeue=True, front=True))
             self._retry.appendleft((prompt, attempt))
             if peer in self._credits:
                 self._credits[peer] = 0

@@ -24,6 +24,10 @@ to train, so the sampler waits for a newer install instead of generating. Every
 Leases carry a random ``token`` that each ``RolloutGroup`` echoes (``lease_token``); the
 reference answer never reaches a sampler.
 
+A restarted PromptSource knows no names: it answers this sampler's next message with
+``SayHello``; the sampler says Hello again and re-grants the credits still owed, keeping
+the leases it holds (the PromptSource's journal kept them open).
+
 Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the source.
 """
 
@@ -54,6 +58,7 @@ from echo2.messages import (
     RunEnded,
     RunEndedSeen,
     SamplerStats,
+    SayHello,
     TaskLease,
     WeightsInstalled,
     Welcome,
@@ -196,9 +201,8 @@ class Sampler(Actor):
         Runs in ``run()``, not ``setup()``: setup must never wait for a peer, since peers
         in the same process are set up one after another.
         """
-        hello = Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
         while True:
-            await self._tasks.send(hello)
+            await self._tasks.send(self._hello())
             reply = await self._wait_welcome()
             if reply.accepted:
                 break
@@ -209,6 +213,24 @@ class Sampler(Actor):
         if reply.model is not None:
             check_model(reply.model, self.engine.model_identity())
         self._welcomed = True
+
+    def _hello(self) -> Hello:
+        return Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
+
+    async def _on_welcome_again(self, reply: Welcome) -> None:
+        """The answer to a Hello sent on ``SayHello`` (the PromptSource restarted): re-grant
+        the credits whose leases never came; the leases this sampler holds stay its own."""
+        if reply.accepted:
+            self.ctx.log.info(
+                "welcomed again by %s (it restarted); re-granting %d credits", reply.server_id, self._owed
+            )
+            await self._tasks.send(self._work_request(self._owed))
+            return
+        if reply.retry_after_s <= 0:
+            raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
+        self.ctx.log.warning("refused (%s); saying Hello again in %g s", reply.reason, reply.retry_after_s)
+        await asyncio.sleep(reply.retry_after_s)  # the server's back-off, not a synchronisation
+        await self._tasks.send(self._hello())
 
     async def _wait_welcome(self) -> Welcome:
         """The PromptSource's answer to our Hello; until it comes, a line every
@@ -281,6 +303,13 @@ class Sampler(Actor):
                     self.ctx.log.warning("the run is over (%s: %s); stopping", message.server_id, message.reason)
                     await self._tasks.send(RunEndedSeen(sampler_id=self.name))
                     self._run_ended.set()
+                elif isinstance(message, SayHello):
+                    self.ctx.log.warning(
+                        "%s does not know this sampler (it restarted?); saying Hello", message.server_id
+                    )
+                    await self._tasks.send(self._hello())
+                elif isinstance(message, Welcome):
+                    await self._on_welcome_again(message)
                 elif isinstance(message, TaskLease):
                     self._owed = max(0, self._owed - 1)
                     self._leases.append(message)
