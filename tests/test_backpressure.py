@@ -34,6 +34,7 @@ def slow_reward(prompt, completion: str) -> float:
     return float(completion == prompt.answer)
 
 
+@pytest.mark.slow  # ~8-16 s
 @pytest.mark.timeout(120)
 async def test_slow_rewarder_bounds_queues_and_paces_issuance(tmp_path: Path) -> None:
     torch.set_num_threads(1)

@@ -191,6 +191,7 @@ def test_restart_of_the_learner_exits_2_with_one_line_at_dry_run() -> None:
 # -- one launched run: damage the newest checkpoint, --resume from the one before --------------
 
 
+@pytest.mark.slow  # ~27 s of launched runs; the fallback's unit tests stay in the default suite
 @pytest.mark.timeout(300)
 def test_resume_passes_over_a_damaged_newest_checkpoint_and_the_audit_holds(tmp_path: Path) -> None:
     common = [

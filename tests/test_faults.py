@@ -90,6 +90,7 @@ def test_sampler_killed_twice_is_restarted_and_nothing_is_trained_twice(tmp_path
     assert report["trained"] == steps * 16
 
 
+@pytest.mark.slow  # ~30 s: the default suite keeps the sampler-kill check; -m slow runs this
 @pytest.mark.timeout(300)
 def test_learner_killed_then_resumed_trains_nothing_twice(tmp_path: Path) -> None:
     steps = 50

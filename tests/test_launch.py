@@ -301,7 +301,7 @@ process = "main"
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("stop", ["SIGINT", "deadline"])
+@pytest.mark.parametrize("stop", [pytest.param("SIGINT", marks=pytest.mark.slow), "deadline"])
 def test_a_starved_learner_stopped_writes_its_summary_and_exits_non_zero(tmp_path: Path, stop: str) -> None:
     # No sampler: no batch ever reaches the learner, which waits until it is stopped. The
     # deadline may pass while the learner's process still starts (imports, the model): it

@@ -86,7 +86,9 @@ def _launch(topology: str, run_dir: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("topology", "budget"), [("topology.toml", 3), ("sync.toml", 0)])
+@pytest.mark.parametrize(
+    ("topology", "budget"), [("topology.toml", 3), pytest.param("sync.toml", 0, marks=pytest.mark.slow)]
+)
 def test_launched_job_keeps_staleness_within_budget(tmp_path: Path, topology: str, budget: int) -> None:
     summary = _launch(
         topology,
