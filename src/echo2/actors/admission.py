@@ -38,7 +38,8 @@ import numpy as np
 
 from echo2.job import JobConfig
 from echo2.messages import AdmissionWindow, LeaseRecord, RejectReason, RolloutGroup
-from echo2.models.location import CONFIG_FILE, load_prompt_tokenizer, locate_model
+from echo2.models.identity import present_location
+from echo2.models.location import CONFIG_FILE, load_prompt_tokenizer
 from echo2.tasks.base import Prompt
 
 LOGPROB_TOLERANCE = 1e-3
@@ -80,11 +81,7 @@ def trusted_prompt_codec(job: JobConfig) -> PromptCodec:
     engine renders them by too. ``vocab_size`` is the model config's (the logits' width: an
     id at or past it would index past the embedding), read from ``config.json``.
     """
-    location = locate_model(job.model)
-    if not location.present:
-        from echo2.models.policy import present_model
-
-        location = present_model(job.model)
+    location = present_location(job.model)
     tokenizer = load_prompt_tokenizer(location, job.prompt_format)
     config = json.loads((location.directory / CONFIG_FILE).read_text())
     vocab_size = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))

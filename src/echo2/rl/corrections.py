@@ -155,6 +155,23 @@ def _reduce(
     return loss, stats
 
 
+def _masked_ppo(
+    b: _Batch,
+    keep: Tensor,
+    weight: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    kl_beta: float,
+    logp_ref: Tensor | None,
+) -> tuple[Tensor, GRPOStats]:
+    """What the masked-IS losses share: -weight * PPO surrogate, tokens outside ``keep`` masked."""
+    surrogate, clipped = _ppo_surrogate(b, clip_eps, clip_eps_high)
+    return _reduce(
+        b, -weight * surrogate, weight=weight, clipped=clipped & keep, masked=~keep, ratio=torch.exp(b.log_r),
+        kl_beta=kl_beta, logp_ref=logp_ref,
+    )  # fmt: skip
+
+
 def token_masked_is_loss(
     logp: Tensor,
     logp_prox: Tensor | None,
@@ -175,11 +192,7 @@ def token_masked_is_loss(
     b = _prepare(logp, logp_prox, logp_sampler, advantages, mask)
     keep = _in_band(b.log_rho, low, high)  # (B, T)
     weight = torch.where(keep, torch.exp(b.log_rho.clamp(max=math.log(high))), 0.0)  # (B, T)
-    surrogate, clipped = _ppo_surrogate(b, clip_eps, clip_eps_high)
-    return _reduce(
-        b, -weight * surrogate, weight=weight, clipped=clipped & keep, masked=~keep, ratio=torch.exp(b.log_r),
-        kl_beta=kl_beta, logp_ref=logp_ref,
-    )  # fmt: skip
+    return _masked_ppo(b, keep, weight, clip_eps, clip_eps_high, kl_beta, logp_ref)
 
 
 def sequence_masked_is_loss(
@@ -203,11 +216,7 @@ def sequence_masked_is_loss(
     log_rho_seq = (b.log_rho * b.valid).sum(dim=1, keepdim=True)  # (B, 1)
     keep = _in_band(log_rho_seq, low, high).expand_as(b.logp)  # (B, T)
     weight = torch.where(keep, torch.exp(log_rho_seq.clamp(max=math.log(high))), 0.0)  # (B, T)
-    surrogate, clipped = _ppo_surrogate(b, clip_eps, clip_eps_high)
-    return _reduce(
-        b, -weight * surrogate, weight=weight, clipped=clipped & keep, masked=~keep, ratio=torch.exp(b.log_r),
-        kl_beta=kl_beta, logp_ref=logp_ref,
-    )  # fmt: skip
+    return _masked_ppo(b, keep, weight, clip_eps, clip_eps_high, kl_beta, logp_ref)
 
 
 def geometric_masked_is_loss(
@@ -233,11 +242,7 @@ def geometric_masked_is_loss(
     # A kept sequence may hold a token far out of band (the band bounds the mean only): its
     # exponent is capped below float32's range so the weight stays finite.
     weight = torch.where(keep, torch.exp(b.log_rho.clamp(max=_MAX_LOG_WEIGHT)), 0.0)  # (B, T)
-    surrogate, clipped = _ppo_surrogate(b, clip_eps, clip_eps_high)
-    return _reduce(
-        b, -weight * surrogate, weight=weight, clipped=clipped & keep, masked=~keep, ratio=torch.exp(b.log_r),
-        kl_beta=kl_beta, logp_ref=logp_ref,
-    )  # fmt: skip
+    return _masked_ppo(b, keep, weight, clip_eps, clip_eps_high, kl_beta, logp_ref)
 
 
 def gspo_loss(

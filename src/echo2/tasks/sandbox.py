@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import resource
 import signal
@@ -113,8 +114,11 @@ def run_untrusted(source: str, stdin: str = "", limits: Limits | None = None) ->
     return RunResult(returncode=child.returncode, stdout=stdout, stderr=stderr, timed_out=timed_out)
 
 
+@functools.cache
 def check_available(limits: Limits | None = None) -> None:
-    """Raise ``SandboxUnavailable`` if ``limits`` cannot be applied on this machine."""
+    """Raise ``SandboxUnavailable`` if ``limits`` cannot be applied on this machine. Once per
+    process and limits: every loader of the reward (preflight, each actor building the task)
+    asks, and the answer does not change (a failure is not cached, so it is asked again)."""
     limits = limits or Limits()
     result = run_untrusted("print('ok')", limits=dataclasses.replace(limits, wall_s=max(limits.wall_s, 30.0)))
     if result.stdout.strip() != "ok":
