@@ -75,6 +75,9 @@ if rank == 0:
         json.dump({"fsdp": losses, "single": expected}, open(out / "losses.json", "w"))
 else:
     trainer.follow()
+# Leave together: a follower tearing down its gloo pairs while rank 0 still trains the
+# single-process reference once aborted at exit ("terminate called without an active exception").
+dist.barrier()
 dist.destroy_process_group()
 """
 
