@@ -16,6 +16,10 @@
   line to ``resumes.jsonl`` (its time and the changes allowed) and writes its topology to
   ``resumes/N.topology.resolved.json``; the first launch's ``topology.resolved.json`` is
   never rewritten.
+* With ``[hosts.NAME] join_port = P`` the launcher of that host answers ``python -m
+  echo2.join`` on P (``echo2.launch.join_server``): samplers outside the topology join.
+* ``address = "env:VAR"`` in ``[hosts]`` is read from this launcher's environment as it
+  starts (``--emit`` leaves it as written, for the cluster to fill in).
 * With ``[hosts.NAME] metrics_port = P`` the launcher serves its host's ``/health`` and
   ``/metrics`` on P, from probing each of its processes' own (on P+1.., name order), so a
   process that is stopped or stuck, and cannot answer for itself, is reported not ready
@@ -62,8 +66,9 @@ from typing import Any, NoReturn, TextIO
 
 import msgspec
 
-from echo2.errors import ConfigError, one_line
+from echo2.errors import ConfigError, TransportError, one_line
 from echo2.launch import exits
+from echo2.launch.join_server import JoinServer
 from echo2.observe.health import ProcessWatch, health_routes
 from echo2.observe.http import ServeError, serve
 from echo2.observe.metrics import exposition, launcher_families
@@ -77,6 +82,9 @@ from echo2.topology import (
 )
 from echo2.topology.changes import topology_changes
 from echo2.topology.preflight import check_before_launch
+from echo2.topology.schema import resolve_env_addresses
+from echo2.transport import Transport
+from echo2.transport.auth import CurveSettings
 
 KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
@@ -152,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         topology = load_topology(source, args.overrides)
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
+        topology = resolve_env_addresses(topology, os.environ)
         names = select_processes(topology, args.host)
         notes = check_before_launch(topology, names)
     except ConfigError as exc:
@@ -382,6 +391,7 @@ class Launcher:
         try:
             async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as servers:
                 watchers = await self._serve_health(group, servers)
+                watchers += self._serve_joins(group, servers)
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
@@ -445,6 +455,35 @@ class Launcher:
             servers.push_async_callback(_close_server, server)
             watchers.append(group.create_task(watch.run(), name=f"health:{host}"))
         return watchers
+
+    def _serve_joins(self, group: asyncio.TaskGroup, servers: contextlib.AsyncExitStack) -> list[asyncio.Task[None]]:
+        """Answer ``python -m echo2.join`` when this launcher's host has the join port."""
+        joined = self.resolved.joined
+        if (
+            joined is None
+            or self.shutting_down
+            or joined.host not in {self.resolved.processes[n].host for n in self.names}
+        ):
+            return []
+        where = f"hosts.{joined.host}.join_port"
+        security = self.resolved.security
+        try:
+            curve = (
+                CurveSettings.load(security.keys_dir, joined.host, self.resolved.hosts, security.allowed)
+                if security.curve
+                else None
+            )
+            server = JoinServer(self.resolved, curve=curve, stopping=lambda: self.shutting_down)
+            transport = Transport()
+            servers.callback(transport.close)
+            endpoint = server.open(transport)
+        except (ConfigError, TransportError) as exc:
+            self.say(f"{where}: {one_line(exc)}", error=True)
+            self._begin_shutdown(f"{where}: cannot answer joins", exits.FAILED)
+            return []
+        address = self.resolved.hosts[joined.host].address
+        self.say(f"samplers join this run with: python -m echo2.join {address}:{server.port}")
+        return [group.create_task(server.serve(endpoint), name="join")]
 
     def _live_pids(self) -> dict[str, int | None]:
         return {c.name: c.proc.pid if c.alive and c.proc is not None else None for c in self.children}
