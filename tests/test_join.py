@@ -41,6 +41,7 @@ from echo2.messages import (
 )
 from echo2.rundir import RunDir
 from echo2.tools.audit import audit
+from echo2.tools.keys import main as keys_main
 from echo2.topology import load_topology, resolve
 from echo2.transport import Transport
 
@@ -223,13 +224,16 @@ JOIN_ARGS = ["--set", "engine=simulated", "--set", "engine_kwargs={seconds_per_t
 JOIN_ARGS += ["--set", "credits=1", "--set", "max_batch_groups=1"]
 
 
-def _write_topology(tmp_path: Path, *, steps: int, activation: str = "all", deadline: float = 90.0) -> Path:
+def _write_topology(
+    tmp_path: Path, *, steps: int, activation: str = "all", deadline: float = 90.0, extra: str = ""
+) -> Path:
     port_base, join_base = port_bases(2)
     path = tmp_path / "joined.toml"
     path.write_text(
         JOIN_TOPOLOGY.format(
             port_base=port_base, join_port=join_base, steps=steps, activation=activation, deadline=deadline
         )
+        + extra
     )
     return path
 
@@ -275,29 +279,53 @@ def _stop_all(procs: list[subprocess.Popen[str]]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_samplers_joined_from_outside_the_topology_train_the_run(tmp_path: Path) -> None:
-    """The one fast launched check: a job that declares no sampler trains on two joined
-    ones, which stop with it (exit 0); the audit holds."""
-    topology = _write_topology(tmp_path, steps=8)
+def test_samplers_joined_over_curve_train_the_run_and_a_stranger_gets_no_answer(tmp_path: Path) -> None:
+    """The one fast launched check: a job that declares no sampler, with [security] curve,
+    trains on two samplers joined with an allowed key, which stop with it (exit 0); the
+    audit holds. A worker whose key is not allowed gets no answer from the join port."""
+    keys = tmp_path / "keys"
+    assert keys_main([str(keys), "local", "worker", "stranger"]) == 0
+    (keys / "allowed").mkdir()
+    for host in ("local", "worker"):
+        (keys / "allowed" / f"{host}.key").write_bytes((keys / f"{host}.key").read_bytes())
+    security = f'\n[security]\ncurve = true\nkeys_dir = "{keys}"\n'
+    topology = _write_topology(tmp_path, steps=8, extra=security)
     launcher = _launch(topology, tmp_path / "runs")
     procs: list[subprocess.Popen[str]] = [launcher]
     try:
         assert launcher.stdout is not None
         seen: list[str] = []
         address = _lines_until(launcher.stdout, r"python -m echo2\.join (\S+)", seen)[1]
-        worker = _join(address, "--samplers", "2", "--name", "w", log=tmp_path / "join.log")
-        procs.append(worker)
+        server_key = ["--server-key", str(keys / "local.key")]
+        worker = _join(
+            address, "--samplers", "2", "--name", "w", "--key", str(keys / "worker.key_secret"), *server_key,
+            log=tmp_path / "join.log",
+        )  # fmt: skip
+        stranger = _join(
+            address, "--key", str(keys / "stranger.key_secret"), *server_key, "--wait-s", "2",
+            log=tmp_path / "stranger.log",
+        )  # fmt: skip
+        procs += [worker, stranger]
+        assert stranger.wait(timeout=30) == 1
         seen += launcher.stdout.readlines()
         assert launcher.wait(timeout=60) == 0, "".join(seen[-40:])
         assert worker.wait(timeout=30) == 0, (tmp_path / "join.log").read_text()[-3000:]
     finally:
         _stop_all(procs)
+    assert "did not answer within 2 s" in (tmp_path / "stranger.log").read_text()
     (run_dir,) = (tmp_path / "runs").iterdir()
-    assert json.loads(RunDir(run_dir).summary_path.read_text())["steps"] == 8
+    run = RunDir(run_dir)
+    assert json.loads(run.summary_path.read_text())["steps"] == 8
     report = audit([run_dir])
     assert report.ok and report.trained == 8 * 4, report
-    trained_by = {line for line in (tmp_path / "join.log").read_text().splitlines() if "joining run" in line}
-    assert trained_by, "the worker never joined"
+    names = re.search(r"joining run \S+ as (.+)$", (tmp_path / "join.log").read_text(), re.M)
+    assert names is not None
+    leased_to = {
+        e["sampler"]
+        for e in map(json.loads, run.ledger_path("prompt_source").read_text().splitlines())
+        if e["ev"] == "leased"
+    }
+    assert leased_to == set(names[1].split(", "))
 
 
 @pytest.mark.slow

@@ -188,12 +188,14 @@ async def request_join(
             options=SocketOptions(max_message_bytes=CONTROL_MAX_MESSAGE_BYTES),
             curve=curve,
         )
-        await dealer.send(request)
         started = time.monotonic()
         async with asyncio.timeout(wait_s):
+            sent = False
             while True:
                 try:
                     async with asyncio.timeout(_WAIT_LOG_S):
+                        # The send waits for a connection (no peer, no queue: ZMQ_IMMEDIATE).
+                        sent = sent or await dealer.send(request)
                         while not isinstance(reply := await dealer.recv(), JoinInfo):
                             pass
                         return reply

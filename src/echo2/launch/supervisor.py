@@ -4,7 +4,10 @@
 
     python -m echo2.launch TOPOLOGY.toml [--set path=value]... [--run-dir DIR] [--host NAME] [--dry-run]
                            [--resume RUN_DIR [--allow-changes]]
+    python -m echo2.launch TOPOLOGY.toml --emit slurm|k8s --out DIR [--set path=value]... [--image IMAGE]
 
+* ``--emit slurm|k8s --out DIR`` starts nothing: it writes what starts the same run on a
+  cluster, an sbatch script or Kubernetes manifests (``echo2.launch.emit``).
 * A bad topology or option prints one line, ``TOPOLOGY.toml: <field path>: <problem>``, and
   exits 2.
 * The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
@@ -68,6 +71,7 @@ import msgspec
 
 from echo2.errors import ConfigError, TransportError, one_line
 from echo2.launch import exits
+from echo2.launch.emit import EMIT_KINDS, emit
 from echo2.launch.join_server import JoinServer
 from echo2.observe.health import ProcessWatch, health_routes
 from echo2.observe.http import ServeError, serve
@@ -138,6 +142,15 @@ def _parser() -> _Parser:
         action="store_true",
         help="validate and print the resolved topology; start nothing",
     )
+    parser.add_argument(
+        "--emit",
+        choices=EMIT_KINDS,
+        help="write what starts this run on a cluster (an sbatch script, Kubernetes manifests) into --out; start nothing",
+    )
+    parser.add_argument("--out", type=Path, help="with --emit: the directory to write into")
+    parser.add_argument(
+        "--image", default="echo2:latest", help="with --emit k8s: the container image with echo2 installed"
+    )
     return parser
 
 
@@ -154,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     if args.allow_changes and args.resume is None:
         print(f"{parser.prog}: --allow-changes: only with --resume", file=sys.stderr)
+        return exits.BAD_CONFIG
+    if args.emit is not None:
+        return _emit(parser.prog, args)
+    if args.out is not None:
+        print(f"{parser.prog}: --out: only with --emit", file=sys.stderr)
         return exits.BAD_CONFIG
     source = args.topology
     try:
@@ -225,6 +243,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
+
+
+def _emit(prog: str, args: argparse.Namespace) -> int:
+    """``--emit``: check what can be checked away from the cluster, write the files."""
+    conflicting = [
+        flag
+        for flag, given in (
+            ("--host", args.host),
+            ("--resume", args.resume),
+            ("--dry-run", args.dry_run),
+            ("--run-dir", args.run_dir),
+        )
+        if given
+    ]
+    if conflicting or args.out is None:
+        problem = f"{conflicting[0]}: not with --emit" if conflicting else "--emit needs --out DIR"
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    try:
+        topology = load_topology(args.topology, args.overrides)
+        written = emit(
+            topology, kind=args.emit, source=args.topology, overrides=args.overrides, out=args.out, image=args.image
+        )
+    except ConfigError as exc:
+        print(f"{args.topology}: {one_line(exc)}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    except OSError as exc:
+        print(f"{prog}: --out: {exits.cannot_write(Path(exc.filename or args.out), exc)}", file=sys.stderr)
+        return exits.FAILED
+    for path in written:
+        print(f"echo2: wrote {path}")
+    return exits.OK
 
 
 class _ResumeRefused(Exception):
