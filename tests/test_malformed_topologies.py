@@ -390,6 +390,12 @@ CASES = [
         "ECHO2_TEST_SURELY_UNSET is not set",
     ),
     (
+        "metric-writer-unknown",
+        sub("deadline_s = 60.0", 'deadline_s = 60.0\nmetric_writers = ["tensorbord"]'),
+        "run.metric_writers",
+        "tensorboard",
+    ),
+    (
         "sampler-capacity-negative",
         sampler('engine = "torch", capacity = -1.0'),
         "actors.sampler.config.capacity",

@@ -45,6 +45,7 @@ from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError, one_line
 from echo2.job import JobConfig, PromptFormat
 from echo2.models.location import is_hf_spec, load_prompt_tokenizer, locate_model
+from echo2.observe.writers import check_writers_available
 from echo2.registry import ENGINES
 from echo2.tasks.base import Task, load_job_task, prompts_to_check
 from echo2.topology.addresses import Addresses, topology_addresses
@@ -68,6 +69,8 @@ def check_before_launch(topology: Topology, processes: Sequence[str]) -> list[st
     for actor in topology.actors.values():
         if actor.process in local:
             _check_on_this_host(actor, topology.job)
+            if topology.run.metric_writers and actor.cls.completes_run and actor.cls.trusted:  # the learner's process
+                check_writers_available(topology.run.metric_writers)
     if topology.security.curve:
         _check_curve(topology, addresses, local)
     notes = _check_tcp_ports(topology, addresses, local)

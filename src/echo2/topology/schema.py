@@ -2,7 +2,8 @@
 
 A topology says where actors run; actor code never does. The file has six tables::
 
-    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, record, record_max_mb
+    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, record, record_max_mb,
+                      metric_writers, wandb_project, wandb_mode
     [job]             settings several actors share (echo2.job.JobConfig)
     [hosts.NAME]      address, port_base, metrics_port, join_port, cores
     [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
@@ -57,6 +58,7 @@ from echo2.actors import load_actor_class
 from echo2.config import Name, convert_config
 from echo2.errors import ConfigError, one_line
 from echo2.job import JobConfig
+from echo2.observe.writers import MetricWriterKind, WandbMode
 from echo2.tasks.base import check_job_task
 
 log = logging.getLogger("echo2.topology")
@@ -95,6 +97,14 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     ``"actor.port"`` (``"learner.batch"``); replay one with ``python -m echo2.replay``."""
     record_max_mb: Annotated[float, Meta(gt=0)] = 256.0
     """Cap of each recording file, MB; past it that port stops recording (with a log line)."""
+    metric_writers: list[MetricWriterKind] = []
+    """Where the learner's metrics also go, live (off by default): "tensorboard" (event files
+    in ``RUN_DIR/tensorboard/``) and "wandb" (Weights & Biases); ``echo2.observe.writers``."""
+    wandb_project: Name = "echo2"
+    """The W&B project of the run (with "wandb")."""
+    wandb_mode: WandbMode = "offline"
+    """"offline": W&B files in ``RUN_DIR/wandb/`` only, no account needed (``wandb sync``
+    uploads them later); "online": streamed (``wandb login`` or ``WANDB_API_KEY`` first)."""
 
 
 class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
