@@ -392,8 +392,8 @@ CASES = [
     (
         "metric-writer-unknown",
         sub("deadline_s = 60.0", 'deadline_s = 60.0\nmetric_writers = ["tensorbord"]'),
-        "run.metric_writers",
-        "tensorboard",
+        "run.metric_writers[0]",
+        "Expected one of 'tensorboard', 'wandb'",
     ),
     (
         "sampler-capacity-negative",
