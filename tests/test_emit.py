@@ -10,6 +10,7 @@ starts; root only) that runs it to the end. Not checked here: a real Kubernetes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,10 +25,10 @@ from tests.ports import port_bases
 
 from echo2.errors import ConfigError
 from echo2.launch import main
-from echo2.launch.emit import K8S_METRICS_PORT, plan_hosts
+from echo2.launch.emit import K8S_METRICS_PORT, k8s_manifests, plan_hosts, slurm_script
 from echo2.rundir import RunDir
 from echo2.tools.audit import audit
-from echo2.topology import load_topology
+from echo2.topology import ProcessSpec, Topology, load_topology
 from echo2.topology.schema import resolve_env_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +120,59 @@ def test_the_sbatch_script_has_one_step_per_host_the_learners_first(tmp_path: Pa
     # The topology travels in the script (no shared filesystem), byte for byte.
     start = text.index("<<'ECHO2_TOPOLOGY_EOF'\n") + len("<<'ECHO2_TOPOLOGY_EOF'\n")
     assert text[start : text.index("\nECHO2_TOPOLOGY_EOF\n")] + "\n" == MULTIHOST.read_text()
+
+
+class _TorchrunSpec(ProcessSpec, frozen=True, kw_only=True):
+    """A process with the launcher's torchrun settings (issue 17 item 2), as ``ProcessSpec``
+    has them once that lands: the emitter reads them by name."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_hosts: list[str] = []
+    rdzv_endpoint: str = ""
+    gpus: list[int] = []
+
+
+def _two_node_learner() -> Topology:
+    topology = load_topology(MULTIHOST)
+    learner = _TorchrunSpec(
+        host="learner",
+        nproc_per_node=2,
+        nnodes=2,
+        node_hosts=["learner", "edge-a"],
+        rdzv_endpoint="10.77.0.1:29400",
+        gpus=[0, 1],
+    )
+    return dataclasses.replace(topology, processes={**topology.processes, "learner": learner})
+
+
+def test_a_learner_spanning_nodes_meets_at_its_first_nodes_name_with_its_gpus(tmp_path: Path) -> None:
+    """The emitted steps start each host's launcher, which runs the ranks; the cluster adds
+    the rendezvous address (node 0's name, not the topology's IP) and the GPUs."""
+    topology = _two_node_learner()
+    hosts = plan_hosts(topology)
+    assert [(h.name, h.gpus) for h in hosts][:2] == [("learner", 2), ("edge-a", 2)]  # edge-a runs node 1
+    script = tmp_path / "echo2.sbatch"
+    script.write_text(slurm_script(topology, hosts, MULTIHOST.read_text(), [], source_name="multihost.toml"))
+    text = script.read_text()
+    assert "#SBATCH --gpus-per-node=2" in text
+    (line,) = [line for line in text.splitlines() if line.startswith("SETS+=")]
+    expanded = subprocess.run(
+        ["bash", "-c", f'SETS=(); {line}; printf "%s\\n" "${{SETS[@]}}"'],
+        env={"ECHO2_ADDRESS_LEARNER": "node-7", "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    assert expanded == ["--set", 'processes.learner.rdzv_endpoint="node-7:29400"']
+    documents = k8s_manifests(topology, hosts, MULTIHOST.read_text(), [], image="echo2")
+    learner_job = next(
+        d for d in documents if d["kind"] == "Job" and d["metadata"]["name"] == "echo2-multihost-learner"
+    )
+    (container,) = learner_job["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert 'processes.learner.rdzv_endpoint="echo2-multihost-learner:29400"' in container["args"]
+    validator = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the dev extra)")
+    validator.validate(learner_job, K8S_VERSIONS[-1], strict=True)
 
 
 @pytest.mark.parametrize(

@@ -30,13 +30,13 @@ import json
 import math
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from echo2.errors import ConfigError
-from echo2.topology import Topology
+from echo2.topology import ProcessSpec, Topology
 from echo2.topology.addresses import topology_addresses
 from echo2.topology.preflight import check_relations
 
@@ -47,6 +47,8 @@ K8S_METRICS_PORT = 9400
 topology sets no ``metrics_port``: the probes need one."""
 K8S_TOPOLOGY_DIR = "/etc/echo2"
 K8S_RUN_DIR = "/var/lib/echo2/runs"
+_RENDEZVOUS_PORT = 29500
+"""torchrun's usual rendezvous port, for a learner spanning nodes whose topology names none."""
 _STOP_MARGIN_S = 120.0
 """Seconds past ``run.deadline_s`` and the drain (start-up, the launcher's kill grace) a
 cluster gives the run before it kills it."""
@@ -66,6 +68,48 @@ class HostPlan:
     tcp_ports: tuple[int, ...]
     """Ports its launcher's processes bind for peers on other hosts (join port included)."""
     metrics_port: int
+    gpus: int = 0
+    """GPUs its node must have: the most any of its processes lists (``gpus``)."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A process's torchrun settings (``[processes.NAME]`` ``nproc_per_node``, ``nnodes``,
+    ``node_hosts``, ``rdzv_endpoint``, ``gpus``: the launcher starts a distributed learner
+    under torchrun); one rank on its host, no GPU, for a topology without them."""
+
+    nnodes: int
+    node_hosts: tuple[str, ...]
+    rdzv_endpoint: str
+    gpus: int
+    """GPUs the process's node sees: one past the highest index it lists."""
+
+
+def ranks_of(spec: ProcessSpec) -> Ranks:
+    """``spec``'s torchrun settings, read by name: the emitted steps only start each host's
+    launcher, which runs the ranks itself; what a cluster must add is the rendezvous
+    address of a learner spanning nodes and the GPUs to request."""
+    gpus = list(getattr(spec, "gpus", ()))
+    nnodes = int(getattr(spec, "nnodes", 1))
+    return Ranks(
+        nnodes=nnodes,
+        node_hosts=tuple(getattr(spec, "node_hosts", ()) or (spec.host,)),
+        rdzv_endpoint=str(getattr(spec, "rdzv_endpoint", "")),
+        gpus=max(gpus) + 1 if gpus else 0,
+    )
+
+
+def rendezvous_sets(topology: Topology, address_of: Mapping[str, str]) -> list[str]:
+    """``--set``s that point each learner spanning nodes at its node 0's address as the
+    cluster names it (``address_of[host]``), keeping the port the topology gave (29500 if
+    none): no fixed IP."""
+    sets = []
+    for name, spec in topology.processes.items():
+        ranks = ranks_of(spec)
+        if ranks.nnodes > 1:
+            port = ranks.rdzv_endpoint.rpartition(":")[2] or str(_RENDEZVOUS_PORT)
+            sets.append(f'processes.{name}.rdzv_endpoint="{address_of[spec.host]}:{port}"')
+    return sets
 
 
 def plan_hosts(topology: Topology) -> list[HostPlan]:
@@ -74,10 +118,12 @@ def plan_hosts(topology: Topology) -> list[HostPlan]:
     holding: dict[str, list[str]] = {}
     for process, placed in topology.processes.items():
         holding.setdefault(placed.host, []).append(process)
-    completes = {
-        host
-        for host, processes in holding.items()
-        if any(a.cls.completes_run and a.cls.trusted for p in processes for a in topology.actors_in(p))
+        for node_host in ranks_of(placed).node_hosts[1:]:  # a torchrun node of its own there
+            holding.setdefault(node_host, []).append(process)
+    completes = {  # where the learner's actors run: node 0 of a learner spanning nodes
+        placed.host
+        for process, placed in topology.processes.items()
+        if any(a.cls.completes_run and a.cls.trusted for a in topology.actors_in(process))
     }
     order = sorted(holding, key=lambda host: (host not in completes, host))
     variables: dict[str, str] = {}
@@ -105,6 +151,7 @@ def plan_hosts(topology: Topology) -> list[HostPlan]:
                 address_var=var,
                 tcp_ports=tuple(bound),
                 metrics_port=spec.metrics_port,
+                gpus=max((ranks_of(topology.processes[p]).gpus for p in holding[host]), default=0),
             )
         )
     if not any(plan.completes_run for plan in plans):
@@ -156,6 +203,8 @@ def slurm_script(
         raise ConfigError(f"the topology contains the line marker {marker}; it cannot be embedded")
     sets = [f'hosts.{host.name}.address="env:{host.address_var}"' for host in hosts]
     sets += list(overrides)
+    # Set in the script: node 0's name is known once the job runs.
+    by_node = rendezvous_sets(topology, {h.name: f"${{{h.address_var}}}" for h in hosts})
     header = [
         "#!/bin/bash",
         f"# The echo2 run {run.name!r} ({source_name}) on Slurm: one job step per [hosts] entry,",
@@ -175,6 +224,8 @@ def slurm_script(
         "#SBATCH --exclusive",
         "#SBATCH --output=echo2-%x-%j.out",
     ]
+    if gpus := max(host.gpus for host in hosts):
+        header.append(f"#SBATCH --gpus-per-node={gpus}")
     if run.deadline_s > 0:
         minutes = math.ceil((run.deadline_s + run.drain_timeout_s + _STOP_MARGIN_S) / 60)
         header.append(f"#SBATCH --time={minutes}")
@@ -194,6 +245,7 @@ def slurm_script(
         'sbcast --force "$STAGED" "$TOPOLOGY" || { echo "echo2: sbcast failed" >&2; exit 1; }',
         'rm -f "$STAGED"',
         "SETS=(" + " ".join(f"--set {shlex.quote(value)}" for value in sets) + ")",
+        *(f"SETS+=(--set {_double_quoted(value)})" for value in by_node),
         "step() {  # HOST NODE: that host's launcher, on that node, in the background",
         '  srun --overlap --nodes=1 --ntasks=1 --nodelist="$2" --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \\',
         '    --chdir="$WORKDIR" "$PYTHON" -m echo2.launch "$TOPOLOGY" --host "$1" --run-dir "$RUN_DIR" "${SETS[@]}" &',
@@ -215,6 +267,11 @@ def slurm_script(
     return "\n".join([*header, "", *body]) + "\n"
 
 
+def _double_quoted(text: str) -> str:
+    """``text`` in bash double quotes: ``${VAR}`` expands, nothing else does."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`") + '"'
+
+
 def _slurm_name(name: str) -> str:
     return "echo2-" + re.sub(r"[^A-Za-z0-9_.-]", "-", name)
 
@@ -232,6 +289,7 @@ def k8s_manifests(
     sets = [f'hosts.{host.name}.address="{service[host.name]}"' for host in hosts]
     sets += [f"hosts.{h.name}.metrics_port={K8S_METRICS_PORT}" for h in hosts if not h.metrics_port]
     sets += list(overrides)
+    sets += rendezvous_sets(topology, service)
     labels = {"app.kubernetes.io/name": "echo2", "echo2/run": _dns_label(run.name)}
     config_map = f"{prefix}-topology"
     documents: list[dict[str, Any]] = [
@@ -296,6 +354,8 @@ def k8s_manifests(
         cores = topology.hosts[host.name].cores
         if cores:
             container["resources"] = {"requests": {"cpu": str(cores)}}
+        if host.gpus:
+            container.setdefault("resources", {})["limits"] = {"nvidia.com/gpu": str(host.gpus)}
         job: dict[str, Any] = {
             "apiVersion": "batch/v1",
             "kind": "Job",
