@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import urlsplit
 
 from echo2.actor import PortAddresses
@@ -72,17 +72,8 @@ _WAIT_LOG_S = 5.0
 _LOOPBACK = ("127.", "localhost", "::1", "[::1]")
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog=PROG, description="Join a running echo2 job with samplers it does not declare.")
+def _parser() -> exits.OneLineParser:
+    parser = exits.OneLineParser(prog=PROG, description="Join a running echo2 job with samplers it does not declare.")
     parser.add_argument("address", help="the job's join port: HOST:PORT ([hosts.NAME] join_port)")
     parser.add_argument("--samplers", type=int, default=1, help="samplers to run in this process (default 1)")
     parser.add_argument("--name", default="", help="base of the samplers' names (default: this host's name)")
@@ -300,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("--key and --server-key go together (a run with [security] curve needs both)")
         keys = load_keypair(args.key) if args.key is not None else None
         server_key = load_public_key(args.server_key) if args.server_key is not None else None
-    except (_UsageError, ConfigError) as exc:
+    except (exits.UsageError, ConfigError) as exc:
         print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
         return exits.BAD_CONFIG
     except SystemExit as exc:  # --help

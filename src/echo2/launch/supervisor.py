@@ -65,7 +65,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import msgspec
 
@@ -101,17 +101,8 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # -- command line --------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> exits.OneLineParser:
+    parser = exits.OneLineParser(
         prog="python -m echo2.launch",
         description="Run an echo2 topology: one OS process per process group of this host.",
     )
@@ -160,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
+    except exits.UsageError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
