@@ -68,10 +68,12 @@ EOF
   chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
   chmod 0700 /etc/munge && chmod 0400 /etc/munge/munge.key
   if ! munge -n </dev/null >/dev/null 2>&1; then
-    runuser -u munge -- munged --pid-file="$state/munged.pid" 2>"$state/log/munged.err" \
-      || munged --force --pid-file="$state/munged.pid" 2>>"$state/log/munged.err" \
+    # Its pid file where the munge user may write (it drops root before writing it).
+    local munge_pid=/run/munge/echo2-munged.pid
+    runuser -u munge -- munged --pid-file="$munge_pid" 2>"$state/log/munged.err" \
+      || munged --force --pid-file="$munge_pid" 2>>"$state/log/munged.err" \
       || die "munged did not start (see $state/log/munged.err)"
-    echo "$state/munged.pid" >"$state/started"
+    echo "$munge_pid" >"$state/started"
   fi
   slurmctld -f "$CONF" || die "slurmctld did not start (see $state/log/slurmctld.log)"
   echo "$state/slurmctld.pid" >>"$state/started"
