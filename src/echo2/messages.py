@@ -204,6 +204,80 @@ class SayHello(Message, frozen=True):
     server_id: str
 
 
+class Goodbye(Message, frozen=True):
+    """Sampler -> PromptSource on ``tasks``, as the sampler leaves a run that goes on (its
+    process stopped: Ctrl-C, SIGTERM, an elastic worker scaled down). The leases it holds go
+    back now, not at their deadlines: the PromptSource expires them at once (the Buffer
+    still settles each, so a group already stored stays stored and one still on its way
+    arrives late and is not trained), forgets the sampler's credit and name, tells the
+    activation scheduler it is gone, and answers ``GoodbyeSeen``."""
+
+    sampler_id: str
+    reason: str = ""
+
+
+class GoodbyeSeen(Message, frozen=True):
+    """PromptSource -> Sampler on ``tasks``: the answer to ``Goodbye``; ``leases_returned``
+    leases of that sampler were expired for re-issue."""
+
+    server_id: str
+    leases_returned: int = 0
+
+
+# -- joining a running job (python -m echo2.join) --------------------------------------
+
+
+class JoinRequest(Message, frozen=True):
+    """A worker outside the topology -> the join port of a running job's launcher
+    (``[hosts.NAME] join_port``; over CURVE when ``[security] curve``): what it needs to
+    start ``samplers`` samplers in the run. ``name`` is the base of their names (the
+    worker's host name by default); the launcher makes them unique."""
+
+    name: str
+    samplers: int = 1
+    host: str = ""
+    pid: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class JoinPort(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one port of a joined sampler connects: a URL per binder of its channel and,
+    per URL, the topology host whose CURVE public key to pin ("" = plain tcp)."""
+
+    connect: list[str] = []
+    curve_servers: list[str] = []
+
+
+class JoinInfo(Message, frozen=True):
+    """The launcher's answer to ``JoinRequest``: accepted with everything a sampler needs
+    to join (addresses, the job, the declared samplers' portable settings, the CURVE public
+    keys of the hosts it connects to), or refused with a reason. The model's identity is
+    checked at the PromptSource's ``Welcome``; weights come on the ``weights`` channel,
+    the current version first."""
+
+    server_id: str
+    accepted: bool
+    reason: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+    run_id: str = ""
+    names: list[str] = []
+    """One unique name per sampler asked for."""
+    job: dict[str, Any] = {}
+    """The ``[job]`` table as the run resolved it (``echo2.job.JobConfig``)."""
+    sampler_config: dict[str, Any] = {}
+    """The first declared sampler's config, less the settings of its own machine (its
+    ``Sampler.host_local_fields``): defaults the worker's ``--set`` overrides."""
+    ports: dict[str, JoinPort] = {}
+    """Port name of a Sampler -> where it connects."""
+    telemetry: JoinPort = msgspec.field(default_factory=JoinPort)
+    """Where heartbeats go (the activation scheduler measures workers from them)."""
+    curve: bool = False
+    curve_public_keys: dict[str, str] = {}
+    """Host -> its CURVE public key (Z85), for the hosts named in ``curve_servers``."""
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 10.0
+
+
 class EndOfStreamMsg(Message, frozen=True):
     """A producer will send nothing more on this channel."""
 
@@ -271,6 +345,9 @@ class SamplerStats(Statistics, frozen=True):
     wait_weights_s: float = 0.0
     price_per_hour: float = 0.0
     """Dollars per hour this worker costs (cost-aware activation)."""
+    declared_rollouts_per_s: float = 0.0
+    """Rollouts per second this worker says it delivers (``SamplerConfig.capacity``): the
+    scheduler's estimate of it until it is measured (0: not declared)."""
 
 
 BatchClampReason = Literal["above_groups_per_step", "above_capacity"]
@@ -322,6 +399,10 @@ class PromptSourceStats(Statistics, frozen=True):
     """Samplers given no more leases (repeated rejections); see the ``quarantined`` ledger event."""
     leases_withheld_old_version: int = 0
     """Times a sampler with credit was passed over because its installed version is too old."""
+    samplers_left: int = 0
+    """Samplers that said ``Goodbye`` (left a run that goes on)."""
+    leases_returned_on_leaving: int = 0
+    """Their leases, expired for re-issue when they left instead of at their deadlines."""
     refused: dict[str, int] = {}
     """Hellos refused, by ``RefusalReason``."""
     unwelcomed_dropped: dict[str, int] = {}
@@ -876,6 +957,10 @@ AnyMessage = (
     | SayHello
     | RunEnded
     | RunEndedSeen
+    | Goodbye
+    | GoodbyeSeen
+    | JoinRequest
+    | JoinInfo
     | EndOfStreamMsg
     | Heartbeat
     | LearnerMetrics
