@@ -28,7 +28,6 @@ from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
 from echo2.actors.rewarder import Rewarder
 from echo2.engines.base import Completion, SamplingParams
 from echo2.envs.base import Action, StepResult, episode_seed, load_environment
-from echo2.envs.calls import TimedCalls
 from echo2.envs.chain_addition import ChainAddition
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import ENVIRONMENT, MODEL, EpisodeLimits, Segment
@@ -40,6 +39,7 @@ from echo2.messages import AdmissionWindow, EpisodeFailed, LeaseRecord, RejectRe
 from echo2.models import CharTokenizer
 from echo2.pipeline import Pipeline
 from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -526,3 +526,46 @@ def test_a_tool_that_fails_unexpectedly_fails_the_episode() -> None:
     env.reset(PROMPT, 0)
     with pytest.raises(KeyError):
         env.step(_call('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'))
+
+
+class ReplayFails(ChainAddition):
+    """The job's environment as the Rewarder replays it: it always raises (the scripted
+    samplers play ``chain_addition`` itself)."""
+
+    def step(self, action: Action) -> StepResult:
+        raise RuntimeError("replay-side failure")
+
+
+async def test_an_episode_whose_replay_fails_is_kept_out_and_counted_never_scored_0(tmp_path: Path) -> None:
+    job = msgspec.structs.replace(
+        _multi_turn_job(),
+        episode=EpisodeConfig(environment="tests.test_envs:ReplayFails", max_turns=2, max_episode_tokens=23),
+    )
+    source = PromptSource("prompt_source", PromptSourceConfig(max_tasks=3, max_inflight_groups=1000), job)
+    rewarder = Rewarder("rewarder", job=job)
+    buffer = Buffer("buffer", job=job)
+    sampler = EpisodeSampler("honest", job=job)
+    sampler.script = episode_script(sampler)  # type: ignore[method-assign,assignment]
+    async with Pipeline([source, rewarder, buffer, sampler], run_dir=tmp_path) as pipeline:
+        await until(lambda: buffer.statistics().dropped.get("reward_failed", 0) >= 3, 30, "3 groups dropped")
+        stats = buffer.statistics()
+        pipeline.request_stop()
+    assert stats.groups_stored == 0  # no episode was scored: not as 0, not at all
+    assert stats.reward_failures == {"replay:raised:RuntimeError": 6}
+    assert rewarder.episode_failures == {"replay:raised:RuntimeError": 6}
+
+
+async def test_a_call_queued_behind_a_hung_one_is_not_cancelled_when_the_pool_is_renewed() -> None:
+    release = threading.Event()
+    calls = TimedCalls(1, name="test-timed", max_stuck=1)  # one thread; renewed at the first hang
+    try:
+        hung = asyncio.ensure_future(calls.call(0.1, release.wait, 5.0))
+        queued = asyncio.ensure_future(calls.call(2.0, lambda: 1))  # behind the hung call
+        with pytest.raises(TimeoutError):
+            await hung
+        assert calls.stuck == 1
+        release.set()  # the old pool's thread comes free and runs the queued call
+        assert await queued == 1
+    finally:
+        release.set()
+        calls.close()

@@ -32,10 +32,10 @@ from tests.ports import port_bases
 from tests.test_envs import CODEC, PROMPT, SEED, TOKENIZER, group_of, scripted
 
 from echo2.envs.base import load_environment
-from echo2.envs.calls import TimedCalls
 from echo2.envs.episode import ENVIRONMENT, EpisodeLimits, Segment
 from echo2.envs.play import EpisodeRequest, Played, play_episodes
 from echo2.envs.replay import ReplayMismatch, episode_segments, replay_episode
+from echo2.tasks.calls import TimedCalls
 
 pytestmark = pytest.mark.timeout(120)
 

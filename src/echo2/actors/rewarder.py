@@ -46,7 +46,6 @@ Shutdown: on ``stopping`` it stops reading and returns; unscored groups' leases 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 import time
 from typing import Annotated, ClassVar
@@ -67,7 +66,6 @@ from echo2.actors.admission import (
     trusted_texts,
 )
 from echo2.envs.base import EnvironmentSpec, load_environment
-from echo2.envs.calls import TimedCalls
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits, episode_text
 from echo2.envs.replay import ReplayMismatch, episode_segments, replay_episode
@@ -84,6 +82,7 @@ from echo2.messages import (
     ScoredGroup,
 )
 from echo2.tasks.base import Prompt, load_job_task, reward_range
+from echo2.tasks.calls import TimedCalls
 
 
 class RewarderConfig(ActorConfig, frozen=True):
@@ -116,8 +115,12 @@ class Rewarder(Actor):
         self._task = load_job_task(self.job, ctx.job_objects)
         self._bounds = reward_range(self._task)
         self._codec = await asyncio.to_thread(trusted_prompt_codec, self.job)
-        self._pool = self._new_pool()
-        self._stuck = 0
+        self._calls = TimedCalls(
+            self.config.threads,
+            name=f"{self.name}-reward",
+            max_stuck=self.config.max_stuck_threads,
+            on_renew=lambda stuck: self.ctx.log.warning("%d reward calls hung; starting a fresh thread pool", stuck),
+        )
         self._slots = asyncio.Semaphore(self.config.max_concurrent_groups)
         self._rollouts = ctx.open("rollouts", max_message_bytes=rollout_group_max_bytes(self.job))
         self._scored = ctx.open("scored")
@@ -138,29 +141,20 @@ class Rewarder(Actor):
         self.episode_failures: dict[str, int] = {}
         self._episodes: _Replays | None = None
         if self.job.multi_turn:
-            self._episodes = await asyncio.to_thread(_Replays.load, self.job, self.config.threads, self.name)
-
-    def _new_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        return concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.config.threads, thread_name_prefix=f"{self.name}-reward"
-        )
+            self._episodes = await asyncio.to_thread(_Replays.load, self.job)
 
     def statistics(self) -> RewarderStats:
-        replays = self._episodes.calls.stuck if self._episodes is not None else 0
         return RewarderStats(
             **self.counters,
             item_errors=dict(self.item_errors),
-            stuck_threads=self._stuck + replays,
+            stuck_threads=self._calls.stuck,
             episode_failures=dict(self.episode_failures),
         )
 
     async def aclose(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        episodes = getattr(self, "_episodes", None)
-        if episodes is not None:
-            episodes.calls.close()
+        calls = getattr(self, "_calls", None)
+        if calls is not None:
+            calls.close()
 
     async def run(self) -> None:
         await run_until_stopped(self.ctx.stopping, self._serve())
@@ -308,7 +302,7 @@ class Rewarder(Actor):
         deadline = self.job.episode.turn_timeout_s * (self.job.episode.max_turns + 1)
         self.counters["episodes_replayed"] += 1
         try:
-            replayed = await replays.calls.call(
+            replayed = await self._calls.call(
                 deadline, replay_episode, replays.spec.factory, prompt, seed, segments, replays.codec, replays.limits
             )
         except ReplayMismatch as mismatch:
@@ -360,13 +354,10 @@ class Rewarder(Actor):
     async def _score_group(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
         """All of a group's rewards in one worker-thread call (one hand-off, not G); if that
         misses the group's deadline, fall back to one call per item to find the culprit."""
-        loop = asyncio.get_running_loop()
-        call = loop.run_in_executor(self._pool, self._score_in_thread, prompt, texts)
+        deadline = self.config.item_timeout_s * max(1, len(texts))
         try:
-            async with asyncio.timeout(self.config.item_timeout_s * max(1, len(texts))):
-                return await call  # (not wait_for: on 3.11 it can swallow a cancellation)
+            return await self._calls.call(deadline, self._score_in_thread, prompt, texts)
         except TimeoutError:
-            self._thread_hung()
             return list(await asyncio.gather(*(self._score_one(prompt, text) for text in texts)))
 
     def _score_in_thread(self, prompt: Prompt, texts: list[str]) -> list[tuple[float, str]]:
@@ -374,22 +365,12 @@ class Rewarder(Actor):
 
     async def _score_one(self, prompt: Prompt, completion: str) -> tuple[float, str]:
         """Returns (reward, "") or (0.0, reason)."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, _checked, self._task.reward, prompt, completion, self._bounds)
         try:
-            async with asyncio.timeout(self.config.item_timeout_s):
-                return await future
+            return await self._calls.call(
+                self.config.item_timeout_s, _checked, self._task.reward, prompt, completion, self._bounds
+            )
         except TimeoutError:
-            self._thread_hung()
             return 0.0, "timeout"
-
-    def _thread_hung(self) -> None:
-        """A reward call missed its deadline and keeps its thread; renew the pool now and then."""
-        self._stuck += 1
-        if self._stuck % self.config.max_stuck_threads == 0:
-            self.ctx.log.warning("%d reward calls hung; starting a fresh thread pool", self._stuck)
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
 
 
 def _checked(reward_fn, prompt: Prompt, completion: str, bounds: tuple[float, float] | None) -> tuple[float, str]:
@@ -414,22 +395,12 @@ class _Replays:
     """What a Rewarder of a multi-turn job replays episodes with (``echo2.envs.replay``)."""
 
     def __init__(
-        self,
-        spec: EnvironmentSpec,
-        codec: EpisodeCodec,
-        limits: EpisodeLimits,
-        admission: EpisodeAdmission,
-        calls: TimedCalls,
+        self, spec: EnvironmentSpec, codec: EpisodeCodec, limits: EpisodeLimits, admission: EpisodeAdmission
     ) -> None:
-        self.spec, self.codec, self.limits, self.admission, self.calls = spec, codec, limits, admission, calls
+        self.spec, self.codec, self.limits, self.admission = spec, codec, limits, admission
 
     @classmethod
-    def load(cls, job: JobConfig, threads: int, name: str) -> _Replays:
+    def load(cls, job: JobConfig) -> _Replays:
         spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
-        return cls(
-            spec,
-            load_episode_codec(job.model, job.prompt_format),
-            EpisodeLimits.of_job(job),
-            EpisodeAdmission.of_job(job, spec.replayable),
-            TimedCalls(threads, name=f"{name}-replay"),
-        )
+        codec = load_episode_codec(job.model, job.prompt_format)
+        return cls(spec, codec, EpisodeLimits.of_job(job), EpisodeAdmission.of_job(job, spec.replayable))

@@ -56,7 +56,6 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.envs.base import EnvironmentSpec, load_environment
-from echo2.envs.calls import TimedCalls
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits
 from echo2.envs.play import OTHER_EPISODE_FAILED, EpisodeRequest, episode_group, play_episodes
@@ -82,6 +81,7 @@ from echo2.messages import (
 from echo2.models.location import is_hf_spec
 from echo2.registry import EngineKind
 from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 from echo2.transport.peers import connection_routing_id
 from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from echo2.engines.base import Completion, Engine, SamplingParams
 from echo2.envs.base import EnvironmentSpec, episode_seed
-from echo2.envs.calls import TimedCalls
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits
 from echo2.envs.play import EpisodeRequest, play_episodes
 from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 from echo2.tasks.evaluation import HeldoutScore
 
 

@@ -22,10 +22,10 @@ import numpy as np
 
 from echo2.engines.base import Completion, SamplingParams
 from echo2.envs.base import Environment, EnvironmentFactory, close_environment, succeeded
-from echo2.envs.calls import TimedCalls
 from echo2.envs.episode import MODEL, Episode, EpisodeCodec, EpisodeLimits, episode_arrays, episode_text
 from echo2.messages import EnvironmentFailure, RolloutGroup, TaskLease
 from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 
 OTHER_EPISODE_FAILED = "another episode of its group failed"
 """``EnvironmentFailed.detail`` of the episodes abandoned with a failed one."""
