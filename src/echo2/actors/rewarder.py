@@ -84,6 +84,9 @@ from echo2.messages import (
 from echo2.tasks.base import Prompt, load_job_task, reward_range
 from echo2.tasks.calls import TimedCalls
 
+MAX_REPLAY_THREADS = 64
+"""Most threads replaying episodes at once in one Rewarder."""
+
 
 class RewarderConfig(ActorConfig, frozen=True):
     item_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
@@ -141,20 +144,24 @@ class Rewarder(Actor):
         self.episode_failures: dict[str, int] = {}
         self._episodes: _Replays | None = None
         if self.job.multi_turn:
-            self._episodes = await asyncio.to_thread(_Replays.load, self.job)
+            # A thread per episode of the groups scored at once: a replay's deadline runs
+            # from its submission, so none should wait in a queue for a thread.
+            threads = min(MAX_REPLAY_THREADS, self.config.max_concurrent_groups * self.job.group_size)
+            calls = TimedCalls(threads, name=f"{self.name}-replay", max_stuck=self.config.max_stuck_threads)
+            self._episodes = await asyncio.to_thread(_Replays.load, self.job, calls)
 
     def statistics(self) -> RewarderStats:
         return RewarderStats(
             **self.counters,
             item_errors=dict(self.item_errors),
-            stuck_threads=self._calls.stuck,
+            stuck_threads=self._calls.stuck + (self._episodes.calls.stuck if self._episodes is not None else 0),
             episode_failures=dict(self.episode_failures),
         )
 
     async def aclose(self) -> None:
-        calls = getattr(self, "_calls", None)
-        if calls is not None:
-            calls.close()
+        for calls in (getattr(self, "_calls", None), getattr(getattr(self, "_episodes", None), "calls", None)):
+            if calls is not None:
+                calls.close()
 
     async def run(self) -> None:
         await run_until_stopped(self.ctx.stopping, self._serve())
@@ -302,7 +309,7 @@ class Rewarder(Actor):
         deadline = self.job.episode.turn_timeout_s * (self.job.episode.max_turns + 1)
         self.counters["episodes_replayed"] += 1
         try:
-            replayed = await self._calls.call(
+            replayed = await replays.calls.call(
                 deadline, replay_episode, replays.spec.factory, prompt, seed, segments, replays.codec, replays.limits
             )
         except ReplayMismatch as mismatch:
@@ -395,12 +402,17 @@ class _Replays:
     """What a Rewarder of a multi-turn job replays episodes with (``echo2.envs.replay``)."""
 
     def __init__(
-        self, spec: EnvironmentSpec, codec: EpisodeCodec, limits: EpisodeLimits, admission: EpisodeAdmission
+        self,
+        spec: EnvironmentSpec,
+        codec: EpisodeCodec,
+        limits: EpisodeLimits,
+        admission: EpisodeAdmission,
+        calls: TimedCalls,
     ) -> None:
-        self.spec, self.codec, self.limits, self.admission = spec, codec, limits, admission
+        self.spec, self.codec, self.limits, self.admission, self.calls = spec, codec, limits, admission, calls
 
     @classmethod
-    def load(cls, job: JobConfig) -> _Replays:
+    def load(cls, job: JobConfig, calls: TimedCalls) -> _Replays:
         spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
         codec = load_episode_codec(job.model, job.prompt_format)
-        return cls(spec, codec, EpisodeLimits.of_job(job), EpisodeAdmission.of_job(job, spec.replayable))
+        return cls(spec, codec, EpisodeLimits.of_job(job), EpisodeAdmission.of_job(job, spec.replayable), calls)

@@ -136,8 +136,10 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Repair bytes this sampler may have requested and not yet received."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
-    environment_threads: Annotated[int, Meta(ge=1)] = 8
-    """Worker threads that run environment calls (multi-turn jobs, ``[job.episode]``)."""
+    environment_threads: Annotated[int, Meta(ge=1)] = 64
+    """Worker threads that run environment calls (multi-turn jobs, ``[job.episode]``): a
+    call's timeout runs from its submission, so enough for every episode of a batch
+    (``max_batch_groups`` x G) keeps a slow environment's calls from waiting in a queue."""
 
 
 class Sampler(Actor):
