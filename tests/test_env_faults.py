@@ -2,10 +2,9 @@
 environment that raises or hangs on 10% of its steps (``tests.faulty_env``).
 
 The launched multi-turn job must finish its steps with nothing lost and nothing trained
-twice (the audit), every failed episode's lease re-issued and counted by reason (the
-sampler's failures as ``environment_raised`` / ``environment_timeout``, the trusted
-replay's as ``replay:*``), and no failed episode scored: the stored rewards are those of
-replays that finished.
+twice (the audit), every failed episode's lease re-issued and counted by reason
+(``environment_raised`` / ``environment_timeout``, whether the sampler's environment or the
+trusted replay failed), and no failed episode scored: no reward failure, no dropped group.
 """
 
 from __future__ import annotations
@@ -64,8 +63,9 @@ def test_sampler_killed_mid_episode_and_a_flaky_environment_lose_nothing(tmp_pat
     assert summary["steps"] == steps and summary["rollouts_trained_twice"] == 0
     failures = summary["episode_failures_by_reason"]
     assert failures.get("environment_raised", 0) > 0 and failures.get("environment_timeout", 0) > 0, failures
-    replay_failures = {k: n for k, n in summary["reward_failures_by_reason"].items() if k.startswith("replay:")}
-    assert set(replay_failures) <= {"replay:raised:RuntimeError", "replay:timeout"}, summary
+    # Failures in the trusted replay fail the lease too (re-issued, among the same reasons):
+    # none is a reward, none a dropped group.
+    assert summary["reward_failures_by_reason"] == {} and "reward_failed" not in summary["drops_by_reason"], summary
     audit = subprocess.run(
         [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, timeout=120
     )

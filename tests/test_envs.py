@@ -536,23 +536,26 @@ class ReplayFails(ChainAddition):
         raise RuntimeError("replay-side failure")
 
 
-async def test_an_episode_whose_replay_fails_is_kept_out_and_counted_never_scored_0(tmp_path: Path) -> None:
+async def test_an_episode_whose_replay_fails_fails_its_lease_never_scored_0(tmp_path: Path) -> None:
     job = msgspec.structs.replace(
         _multi_turn_job(),
         episode=EpisodeConfig(environment="tests.test_envs:ReplayFails", max_turns=2, max_episode_tokens=23),
     )
-    source = PromptSource("prompt_source", PromptSourceConfig(max_tasks=3, max_inflight_groups=1000), job)
+    config = PromptSourceConfig(max_tasks=3, max_inflight_groups=1000, max_attempts=2)
+    source = PromptSource("prompt_source", config, job)
     rewarder = Rewarder("rewarder", job=job)
     buffer = Buffer("buffer", job=job)
     sampler = EpisodeSampler("honest", job=job)
     sampler.script = episode_script(sampler)  # type: ignore[method-assign,assignment]
     async with Pipeline([source, rewarder, buffer, sampler], run_dir=tmp_path) as pipeline:
-        await until(lambda: buffer.statistics().dropped.get("reward_failed", 0) >= 3, 30, "3 groups dropped")
+        await until(lambda: source.counters["attempts_exhausted"] >= 3, 30, "every task tried twice and given up")
         stats = buffer.statistics()
         pipeline.request_stop()
-    assert stats.groups_stored == 0  # no episode was scored: not as 0, not at all
-    assert stats.reward_failures == {"replay:raised:RuntimeError": 6}
-    assert rewarder.episode_failures == {"replay:raised:RuntimeError": 6}
+    # Each failed replay failed its lease: re-issued (2 attempts each), never scored.
+    assert stats.groups_stored == 0 and stats.reward_failures == {}
+    assert stats.rejected == {"environment_raised": 6}
+    assert rewarder.episode_failures == {"replay:raised:RuntimeError": 12}  # 2 episodes per group
+    assert source.counters["leases_reissued"] == 3 and source.counters["quarantined_samplers"] == 0
 
 
 async def test_a_call_queued_behind_a_hung_one_is_not_cancelled_when_the_pool_is_renewed() -> None:

@@ -107,7 +107,7 @@ counts off), ``token_out_of_vocab``, ``too_long`` (a completion over the lease's
 turn versions out of order), ``observation_mismatch`` (the trusted replay of the episode
 produced other environment tokens), ``untrusted_episode`` (an episode of an environment
 that cannot be replayed, from a sampler not listed as trusted), and the sampler's own
-report that its environment failed (``EpisodeFailed``): ``environment_raised``,
+report that its environment failed (``EpisodeFailed``) or the trusted replay's: ``environment_raised``,
 ``environment_timeout`` (re-issued, never a reward of 0)."""
 
 EnvironmentFailure = Literal["environment_raised", "environment_timeout"]
@@ -372,9 +372,9 @@ class RewarderStats(Statistics, frozen=True):
     episodes_replayed: int = 0
     """Multi-turn episodes replayed on the trusted side (``echo2.envs.replay``)."""
     episode_failures: dict[str, int] = {}
-    """Episodes whose environment failed, by where and why: ``sampler:raised:<Type>``,
-    ``sampler:timeout`` (reported by samplers: lease re-issued), ``replay:raised:<Type>``,
-    ``replay:timeout`` (the trusted replay: that episode kept out of training)."""
+    """Episodes whose environment failed, by where and why: ``sampler:environment_raised``,
+    ``sampler:environment_timeout`` (reported by samplers), ``replay:raised:<Type>``,
+    ``replay:timeout`` (the trusted replay). Either way the lease is re-issued."""
 
 
 class PublisherStats(Statistics, frozen=True):

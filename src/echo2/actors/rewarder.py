@@ -23,8 +23,10 @@ then not computed from text but by replaying each episode on this, the trusted, 
 (``echo2.envs.replay``): a fresh environment reset from the lease record's prompt and the
 lease's seed, stepped with the sampler's actions, must produce every observation token the
 sampler sent (else the group is refused, ``observation_mismatch``), and its return is the
-reward. A replay that raises or passes ``turn_timeout_s`` per turn keeps that episode out
-of training (``replay:raised:<Type>``, ``replay:timeout``). An environment that cannot be
+reward. A replay that raises or passes ``turn_timeout_s`` per turn fails the lease as a
+sampler's failing environment does (``GroupRejected`` with ``environment_raised`` or
+``environment_timeout``: re-issued, counted as ``replay:raised:<Type>``, ``replay:timeout``
+in ``episode_failures``). An environment that cannot be
 replayed is accepted only from ``job.episode.trusted_samplers``, with their returns. A
 sampler's ``EpisodeFailed`` (its environment failed) becomes a ``GroupRejected`` of the
 holder: the lease is re-issued.
@@ -68,6 +70,7 @@ from echo2.actors.admission import (
 from echo2.envs.base import EnvironmentSpec, load_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits, episode_text
+from echo2.envs.play import EnvironmentFailed
 from echo2.envs.replay import ReplayMismatch, episode_segments, replay_episode
 from echo2.job import JobConfig
 from echo2.messages import (
@@ -282,8 +285,10 @@ class Rewarder(Actor):
     async def _score_episodes(
         self, rollout: RolloutGroup, record: LeaseRecord, replays: _Replays
     ) -> ScoredGroup | None:
-        """Rewards of a multi-turn group by replaying its episodes (None: refused, the
-        replay disagreed with what the sampler sent)."""
+        """Rewards of a multi-turn group by replaying its episodes; None: refused, because
+        the replay disagreed with what the sampler sent (``observation_mismatch``) or the
+        environment failed in the replay (the lease is re-issued, as for a sampler's
+        failure: never a reward of 0)."""
         started = time.perf_counter()
         prompt = trusted_prompt(record)
         if not replays.spec.replayable:  # admitted from a trusted sampler only, returns included
@@ -297,14 +302,18 @@ class Rewarder(Actor):
             if mismatch is not None:
                 await self._reject(rollout, record, ("observation_mismatch", str(mismatch)))
                 return None
-            results = [o for o in outcomes if not isinstance(o, ReplayMismatch)]
+            failure = next((o for o in outcomes if isinstance(o, EnvironmentFailed)), None)
+            if failure is not None:
+                await self._reject(rollout, record, (failure.reason, f"replay: {failure.detail}"))
+                return None
+            results = [o for o in outcomes if isinstance(o, tuple)]
         return self._scored_group(rollout, results, time.perf_counter() - started)
 
     async def _replay(
         self, replays: _Replays, prompt: Prompt, seed: int, rollout: RolloutGroup, i: int
-    ) -> tuple[float, str] | ReplayMismatch:
-        """(return, "") of completion ``i``'s replay, (0.0, reason) when the environment
-        failed, or the mismatch."""
+    ) -> tuple[float, str] | ReplayMismatch | EnvironmentFailed:
+        """(return, "") of completion ``i``'s replay ((0.0, "not_finite") for a return that
+        is no number), the mismatch, or how the environment failed."""
         segments = episode_segments(rollout, i)
         deadline = self.job.episode.turn_timeout_s * (self.job.episode.max_turns + 1)
         self.counters["episodes_replayed"] += 1
@@ -315,16 +324,19 @@ class Rewarder(Actor):
         except ReplayMismatch as mismatch:
             return mismatch
         except TimeoutError:
-            return self._episode_failed("replay:timeout")
-        except Exception as exc:  # user code: any failure costs this episode only
-            return self._episode_failed(f"replay:raised:{type(exc).__name__}")
+            return self._episode_failed(
+                "replay:timeout", EnvironmentFailed("environment_timeout", f"past {deadline:g} s")
+            )
+        except Exception as exc:  # user code: any failure fails the episode
+            failure = EnvironmentFailed("environment_raised", f"raised:{type(exc).__name__}: {exc}")
+            return self._episode_failed(f"replay:raised:{type(exc).__name__}", failure)
         if not math.isfinite(replayed.returns):
             return 0.0, "not_finite"
         return replayed.returns, ""
 
-    def _episode_failed(self, reason: str) -> tuple[float, str]:
-        self.episode_failures[reason] = self.episode_failures.get(reason, 0) + 1
-        return 0.0, reason
+    def _episode_failed(self, key: str, failure: EnvironmentFailed) -> EnvironmentFailed:
+        self.episode_failures[key] = self.episode_failures.get(key, 0) + 1
+        return failure
 
     async def _score(self, rollout: RolloutGroup, prompt: Prompt) -> ScoredGroup:
         started = time.perf_counter()

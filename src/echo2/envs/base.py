@@ -41,9 +41,9 @@ episodes, rewards included, are then accepted only from samplers named in
 ``job.episode.trusted_samplers``, since nothing else can check them.
 
 Failures. An environment that raises, or whose ``reset``/``step`` runs past
-``job.episode.turn_timeout_s``, fails the episode: on a sampler its lease is reported
-failed and re-issued (``EpisodeFailed``, counted by reason, never a reward of 0); in the
-trusted replay that episode is kept out of training and counted.
+``job.episode.turn_timeout_s``, fails the episode and with it the lease: on a sampler it
+is reported failed (``EpisodeFailed``), in the trusted replay the group is refused; either
+way the lease is re-issued and counted by reason, never a reward of 0.
 """
 
 from __future__ import annotations
