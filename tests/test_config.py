@@ -20,7 +20,7 @@ import pytest
 
 from echo2.actors import load_actor_class
 from echo2.errors import ConfigError
-from echo2.job import JobConfig
+from echo2.job import EpisodeConfig, JobConfig
 from echo2.launch import main
 from echo2.registry import ACTORS
 from echo2.topology import ActorSpec, HostSpec, ProcessSpec, RunSpec, SecuritySpec, load_topology
@@ -179,7 +179,7 @@ def test_examples_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _config_structs() -> list[type]:
-    structs: list[type] = [JobConfig, RunSpec, HostSpec, ProcessSpec, ActorSpec, SecuritySpec]
+    structs: list[type] = [JobConfig, EpisodeConfig, RunSpec, HostSpec, ProcessSpec, ActorSpec, SecuritySpec]
     structs += [load_actor_class(kind).Config for kind in ACTORS.names()]
     return list(dict.fromkeys(structs))
 

@@ -248,6 +248,37 @@ CASES = [
         "actors.sampler.config.engine_kwargs.chat_template",
         "prompts are rendered as job.prompt_format says",
     ),
+    # multi-turn episodes (issue 15 item 5)
+    (
+        "episode-environment-typo",
+        job('episode = { environment = "chain_adition" }'),
+        "job.episode.environment",
+        "unknown environment 'chain_adition'",
+    ),
+    (
+        "episode-kwargs-out-of-range",
+        job('episode = { environment = "chain_addition", environment_kwargs = { operands = 2 } }'),
+        "job.episode.environment_kwargs.operands",
+        ">= 3",
+    ),
+    (
+        "episode-max-turns-zero",
+        job('episode = { environment = "chain_addition", max_turns = 0 }'),
+        "job.episode.max_turns",
+        ">= 1",
+    ),
+    (
+        "episode-longer-than-the-tiny-context",
+        job('episode = { environment = "chain_addition", max_episode_tokens = 40 }'),
+        "job.episode.max_episode_tokens",
+        "exceed the model's context of 32 tokens",
+    ),
+    (
+        "episode-service-without-trusted-samplers",
+        job('episode = { environment = "openenv", environment_kwargs = { base_url = "http://127.0.0.1:9" } }'),
+        "job.episode.trusted_samplers",
+        "cannot be replayed by the trusted side",
+    ),
     (
         "prompt-format-typo",
         job('prompt_format = { chat_templat = "off" }'),

@@ -31,6 +31,7 @@ present: a GPU topology checks on a machine without one.
 from __future__ import annotations
 
 import errno
+import json
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -265,7 +266,41 @@ def check_job(job: JobConfig) -> list[str]:
         raise ConfigError(str(exc), path="job.task_kwargs") from None
     except Exception as exc:  # a user's task factory may fail in any way: report it in one line
         raise ConfigError(f"task {job.task!r}: {one_line(exc)}", path="job.task_kwargs") from None
-    return check_prompts_encode(task, job.model, job.prompt_format)
+    notes = check_prompts_encode(task, job.model, job.prompt_format)
+    if job.multi_turn:
+        check_episodes(job, task)
+    return notes
+
+
+def check_episodes(job: JobConfig, task: Task) -> None:
+    """A multi-turn job's environment builds; one that cannot be replayed has trusted
+    samplers to come from; on the tiny model, the longest prompt plus ``max_episode_tokens``
+    fit its context (else a sampler's engine would fail mid-episode)."""
+    from echo2.envs.base import load_environment
+
+    episode = job.episode
+    try:
+        spec = load_environment(episode.environment, episode.environment_kwargs)
+    except ResolveError as exc:
+        raise ConfigError(str(exc), path="job.episode.environment_kwargs") from None
+    if not spec.replayable and not episode.trusted_samplers:
+        raise ConfigError(
+            f"environment {episode.environment!r} cannot be replayed by the trusted side, so its episodes are "
+            "accepted only from samplers listed here, and none is: no group could ever be trained",
+            path="job.episode.trusted_samplers",
+        )
+    location = locate_model(job.model)
+    if location.kind != "tiny" or not location.present:
+        return
+    context = int(json.loads((location.directory / "config.json").read_text())["max_seq_len"])
+    tokenizer = load_prompt_tokenizer(location, job.prompt_format)
+    longest = max((len(tokenizer.encode_prompt(p.text)) for p in prompts_to_check(task)), default=0)
+    if longest + episode.max_episode_tokens > context:
+        raise ConfigError(
+            f"{episode.max_episode_tokens} tokens after a prompt of up to {longest} exceed the model's context of "
+            f"{context} tokens: at most {context - longest}",
+            path="job.episode.max_episode_tokens",
+        )
 
 
 def check_prompts_encode(task: Task, model: str, prompt_format: PromptFormat | None = None) -> list[str]:

@@ -56,6 +56,7 @@ from msgspec import Meta
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors import load_actor_class
 from echo2.config import Name, convert_config
+from echo2.envs.base import check_job_environment
 from echo2.errors import ConfigError, one_line
 from echo2.job import JobConfig
 from echo2.observe.writers import MetricWriterKind, WandbMode
@@ -321,6 +322,8 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     run = convert_config(_table(raw, "run"), RunSpec, "run")
     job = convert_config(_table(raw, "job"), JobConfig, "job")
     check_job_task(job)
+    if job.multi_turn:
+        check_job_environment(job.episode.environment, job.episode.environment_kwargs)
 
     if "hosts" in raw:
         hosts = {
