@@ -68,6 +68,7 @@ class DistributedLearner(Learner):
     """Rank 0's Learner actor; see the module docstring."""
 
     kind: ClassVar[str] = "distributed_learner"
+    torchrun: ClassVar[bool] = True
     Config = DistributedLearnerConfig
     config: DistributedLearnerConfig
 
