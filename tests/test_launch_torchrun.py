@@ -28,7 +28,7 @@ from echo2.launch import main
 from echo2.launch.torchrun import torchrun_args
 from echo2.rundir import RunDir
 from echo2.tools.audit import audit
-from echo2.topology import ResolvedProcess
+from echo2.topology import ResolvedProcess, load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -253,6 +253,31 @@ def test_one_launcher_for_two_nodes_of_a_process_exits_2(tmp_path: Path, capsys:
     assert "processes.learner.node_hosts: hosts a, b are nodes of one process and all this launcher's" in err
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("gpu*.toml")), ids=lambda p: p.name)
+def test_the_gpu_recipes_dry_run_on_this_machine(
+    path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked here for the 8-GPU machines they are written for (ECHO2_ASSUME_GPUS says so),
+    a tiny local HF model standing in for their model directory; each host as its launcher."""
+    pytest.importorskip("transformers", reason="the recipes' HF model needs the 'hf' extra")
+    from tests.test_hf_models import make_tiny_llama
+
+    model = f"job.model={make_tiny_llama(tmp_path / 'model')}"
+    monkeypatch.setenv("ECHO2_ASSUME_GPUS", "8")
+    topology = load_topology(path, [model])
+    learner = topology.processes["learner"]
+    assert learner.gpus and all(topology.processes[p].gpus for p in topology.processes if p.startswith("sampler"))
+    hosts = list(topology.hosts)
+    for host_args in [[]] if len(hosts) == 1 else [["--host", host] for host in hosts]:
+        assert main([str(path), "--dry-run", "--set", model, *host_args]) == 0, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert "note: gpus: checked against ECHO2_ASSUME_GPUS=8" in err
+        resolved = json.loads(out[out.index("{") :])["processes"]["learner"]
+        assert resolved["gpus"] == learner.gpus and resolved["nproc_per_node"] == learner.nproc_per_node
+        if learner.nproc_per_node > 1 or learner.nnodes > 1:
+            assert resolved["torchrun"] and f"torchrun {learner.nproc_per_node} rank(s)" in out, out
+
+
 # -- launched ------------------------------------------------------------------------------
 
 
@@ -357,3 +382,37 @@ def test_two_launchers_run_the_two_nodes_of_one_learner(tmp_path: Path) -> None:
     assert json.loads(run.summary_path.read_text())["steps"] == 5
     report = audit([run.root])
     assert report.ok and report.trained == 5 * 4, report
+
+
+@pytest.mark.slow  # ~100 s on two busy cores
+def test_gpu_check_runs_its_packing_and_fsdp_checks_on_cpu(tmp_path: Path) -> None:
+    """scripts/gpu_check.py's packing and FSDP checks, run here on CPU (gloo ranks, a tiny
+    random Llama): the script itself works; what it measures on a GPU only a GPU can say."""
+    pytest.importorskip("transformers", reason="gpu_check needs the 'hf' extra")
+    command = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--checks", "packing,fsdp"]
+    command += ["--ranks", "2", "--prompts", "4", "--group-size", "4", "--max-new-tokens", "24", "--repeats", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env(), check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["failed"] == []
+    assert report["packing"]["loss_relative_difference"] <= 1e-4 and report["packing"]["ok"]
+    fsdp = report["fsdp"]
+    assert fsdp["ranks"] == 2 and fsdp["ok"]
+    assert fsdp["plain"]["losses"] == pytest.approx(fsdp["activation_checkpointing"]["losses"], rel=1e-5)
+    assert max(fsdp["first_loss_relative_difference"].values()) <= 1e-4
+
+
+def test_gpu_check_without_a_gpu_exits_2_with_one_line() -> None:
+    if shutil.which("nvidia-smi") is not None:
+        pytest.skip("this machine has nvidia-smi: it may have a GPU")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--checks", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env(),
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("gpu_check: no CUDA device visible") and done.stderr.count("\n") == 1, done.stderr

@@ -124,8 +124,8 @@ def check_gpus(topology: Topology, processes: Sequence[str], host_gpus: HostGPUs
     for gpu, names in sorted(holders.items()):
         if len(names) > 1:
             notes.append(
-                f"gpus: GPU {gpu} is shared by processes {', '.join(names)}; "
-                "their memory settings (gpu_memory_utilization) must add up to at most 1"
+                f"gpus: GPU {gpu} is shared by processes {', '.join(names)}; each takes memory on it "
+                "(a vLLM engine its gpu_memory_utilization, up front): leave room for the others"
             )
     return notes
 
