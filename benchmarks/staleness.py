@@ -29,7 +29,7 @@ steps/s and the load average it ran under. Each finished run is appended to ``--
 an interrupted grid resumes. At the end: a table on stdout, the results as JSON (``--out``)
 and a PNG beside it (reward, pass@1 and mismatch against S, one line per correction).
 
-One seed per cell: on this task two runs of the same cell have differed by tens of points of
+One seed per cell (``--seed`` runs the grid again with another): on this task two runs of the same cell have differed by tens of points of
 pass@1 (``benchmarks/pipeline.py``'s docstring), so read single cells against that noise.
 """
 
@@ -64,14 +64,15 @@ FLOOR_POINTS = 5.0
 """The issue's floor: some correction keeps S = 11 within this many points of S = 0."""
 
 
-def run_command(staleness: int, loss: str, steps: int, run_dir: Path, *, deadline_s: float) -> list[str]:
-    """The launcher command of one cell: the main job with S, the loss and the budget set."""
+def run_command(staleness: int, loss: str, steps: int, run_dir: Path, *, deadline_s: float, seed: int = 0) -> list[str]:
+    """The launcher command of one cell: the main job with S, the loss, the budget and the seed set."""
     learner = "actors.learner.config"
     overrides = [
         # A name per cell: the ipc directory derives from the run id (name and second), and two
         # runs started in the same second must not share it.
-        f"run.name=staleness-S{staleness}-{loss}",
+        f"run.name=staleness-S{staleness}-{loss}-seed{seed}",
         f"job.staleness={staleness}",
+        f"job.seed={seed}",
         f"{learner}.loss={loss}",
         f"{learner}.max_steps={steps}",
         f"{learner}.eval_every=0",  # the warm-start and the final evaluation only
@@ -87,13 +88,15 @@ def run_command(staleness: int, loss: str, steps: int, run_dir: Path, *, deadlin
     return [*command, "--run-dir", str(run_dir)]
 
 
-def run_cell(staleness: int, loss: str, steps: int, *, timeout_s: float, keep: Path | None) -> dict[str, Any]:
+def run_cell(
+    staleness: int, loss: str, steps: int, *, timeout_s: float, keep: Path | None, seed: int = 0
+) -> dict[str, Any]:
     """Launch one run and read what it measured; ``ok`` False (with ``error``) when it failed."""
-    result: dict[str, Any] = {"staleness": staleness, "loss": loss, "steps_budget": steps, "ok": True}
+    result: dict[str, Any] = {"staleness": staleness, "loss": loss, "seed": seed, "steps_budget": steps, "ok": True}
     parent = Path(tempfile.mkdtemp(prefix=f"echo2-staleness-S{staleness}-{loss}-"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH", "")) if p)
-    command = run_command(staleness, loss, steps, parent, deadline_s=max(timeout_s - 30.0, 10.0))
+    command = run_command(staleness, loss, steps, parent, deadline_s=max(timeout_s - 30.0, 10.0), seed=seed)
     result["load_before"] = round(os.getloadavg()[0], 2)
     started = time.perf_counter()
     try:
@@ -182,6 +185,7 @@ def run_grid(
     timeout_s: float,
     partial: Path,
     keep: Path | None,
+    seed: int = 0,
 ) -> list[dict[str, Any]]:
     done = {(r["staleness"], r["loss"]): r for r in load_partial(partial)}
     todo = [cell for cell in cells if cell not in done]
@@ -192,7 +196,7 @@ def run_grid(
     def one(cell: tuple[int, str]) -> dict[str, Any]:
         staleness, loss = cell
         _say(f"start S={staleness} {loss}")
-        result = run_cell(staleness, loss, steps, timeout_s=timeout_s, keep=keep)
+        result = run_cell(staleness, loss, steps, timeout_s=timeout_s, keep=keep, seed=seed)
         result["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
         with lock, open(partial, "a") as out:
             out.write(json.dumps(result) + "\n")
@@ -333,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / f"staleness-{today}.json")
     parser.add_argument("--partial", type=Path, help="finished runs, JSON lines (default: --out with .partial.jsonl)")
     parser.add_argument("--keep", type=Path, help="copy every run directory into this directory")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="job.seed of every run (a repeat of the grid: another seed)"
+    )
     parser.add_argument("--report", type=Path, help="only print the table and draw the plot of a results JSON")
     args = parser.parse_args(argv)
     if args.report is not None:
@@ -355,13 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     # One correction's sweep over S after another: its cells run close in time, under similar load.
     cells = [(s, loss) for loss in losses for s in staleness]
     started = time.time()
-    runs = run_grid(cells, args.steps, parallel=args.parallel, timeout_s=timeout_s, partial=partial, keep=args.keep)
+    runs = run_grid(
+        cells, args.steps, parallel=args.parallel, timeout_s=timeout_s, partial=partial, keep=args.keep, seed=args.seed
+    )
     meta = {
         "benchmark": "staleness",
         "date": today,
         "command": " ".join(["python -m benchmarks.staleness", *(argv if argv is not None else sys.argv[1:])]),
         "topology": str(TOPOLOGY.relative_to(REPO)),
         "steps_per_run": args.steps,
+        "seed": args.seed,
         "parallel": args.parallel,
         "threads_per_process": 1,
         "nice": NICE,
