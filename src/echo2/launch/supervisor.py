@@ -557,7 +557,7 @@ class Launcher:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=self._child_env(child),
+                env=self._child_env(child) | self._placement_env(child),
                 start_new_session=True,
                 preexec_fn=self._child_preexec(),
             )
@@ -622,9 +622,9 @@ class Launcher:
             entry = torchrun_args(spec, node_rank=self.node_ranks.get(child.name, 0), log_dir=log_dir)
         return [sys.executable, *entry, "--topology", str(self.resolved_path), "--process", child.name]
 
-    def _child_env(self, child: Child) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
+    def _placement_env(self, child: Child) -> dict[str, str]:
+        """What the child's place in the topology adds to its environment: its GPUs, torchrun's."""
+        env = {}
         spec = self.resolved.processes[child.name]
         if spec.gpus:
             assert self.host_gpus is not None  # probed and checked at load (main)
@@ -633,6 +633,11 @@ class Launcher:
             # The agent forwards our SIGTERM to the ranks and kills them after this long, no
             # sooner than we would kill it (torch versions that lack it wait a fixed 30 s).
             env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(math.ceil(self.resolved.run.drain_timeout_s + KILL_GRACE_S))
+        return env
+
+    def _child_env(self, child: Child) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
         if child.torch_threads > 0:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(child.torch_threads)
         # Idle OpenMP threads sleep instead of spinning: with more torch processes than
