@@ -166,7 +166,13 @@ def test_a_custom_task_resolves_at_load(tmp_path: Path, monkeypatch: pytest.Monk
     )
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
+# The GPU recipes name a model directory and GPUs this machine lacks: tests/test_launch_torchrun.py
+# dry-runs them with a stand-in model and ECHO2_ASSUME_GPUS.
+@pytest.mark.parametrize(
+    "path",
+    sorted(set((ROOT / "examples").glob("*.toml")) - set((ROOT / "examples").glob("gpu*.toml"))),
+    ids=lambda p: p.name,
+)
 def test_examples_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = list(load_topology(path).hosts)
     # A multi-host example names no host of this machine: each host's launcher is started with --host.

@@ -93,6 +93,9 @@ if TYPE_CHECKING:
     from echo2.training.trainer import Trainer
 
 
+_FINAL_NOTICE_TIMEOUT_S = 1.0
+"""Seconds a stopping learner offers the Buffer its final checkpoint's notice."""
+
 StoppedBy = Literal["max_steps", "max_wall_s", "stop_request"]
 """Why the learner's loop ended, as ``summary.json`` records it (``stopped_by``)."""
 _STOPPED_BY_TEXT: dict[StoppedBy, str] = {
@@ -544,7 +547,17 @@ class Learner(Actor):
         # The Buffer may drop what was trained before the checkpoint a resume would fall back
         # to if the newest were damaged: the one before it (none yet: version 0).
         fallback = self._checkpoint_versions[0] if len(self._checkpoint_versions) == 2 else 0
-        await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
+        notice = LearnerCheckpointed(incarnation=self.incarnation, version=fallback)
+        if not self.ctx.stopping.is_set():
+            await self._batches.send(notice)
+            return
+        # The final checkpoint of a stopped run: the Buffer is stopping too (the launcher stops
+        # every process at once) and may be gone, and a send with no peer waits forever, which
+        # cost the drain its summary. A stopping Buffer has no use for the notice.
+        try:
+            await asyncio.wait_for(self._batches.send(notice), _FINAL_NOTICE_TIMEOUT_S)
+        except TimeoutError:
+            self.ctx.log.info("the Buffer did not take the final checkpoint's notice (it stopped first)")
 
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         if not self.evals or self.evals[-1].step != self.version:
