@@ -160,7 +160,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = topology_addresses(topology, run_id)
+    addresses = topology_addresses(topology, run_id, run_dir)
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
