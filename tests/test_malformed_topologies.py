@@ -173,6 +173,12 @@ CASES = [
         "actors.weight_publisher.config.stripes",
         ">= 1",
     ),
+    (
+        "relay-depth-zero",
+        sub('mode = "relay"', 'mode = "relay", relay_depth = 0'),
+        "actors.weight_publisher.config.relay_depth",
+        ">= 1",
+    ),
     ("threads-negative", sub("torch_threads = 1", "torch_threads = -1"), "processes.learner.torch_threads", ">= 0"),
     ("replicas-zero", sub("replicas = 2", "replicas = 0"), "actors.sampler.replicas", ">= 1"),
     # enumerated values and names

@@ -952,6 +952,17 @@ class WeightChunk(Message, _Versioned, frozen=True):
     data: np.ndarray  # uint8 (<= chunk_bytes,)
 
 
+class WeightsReceived(Message, _Versioned, frozen=True):
+    """Sampler -> WeightPublisher on ``weights``, the moment a version is complete and
+    verified (before it is installed): how long each member took to hold a version, after
+    the members that fed it, is what the publisher places members in later plans by
+    (``echo2.weights.plan.Placement``)."""
+
+    sampler_id: str
+    incarnation: int
+    version: int
+
+
 class WeightsInstalled(Message, _Versioned, frozen=True):
     """A sampler installed a version (telemetry; T_bcast is measured from these)."""
 
@@ -982,7 +993,9 @@ class WeightSubscribe(Message, frozen=True):
 
 class RelayChain(msgspec.Struct, frozen=True, array_like=True):
     """One chain of a relay plan: stripe ``stripe``'s chunks flow publisher -> members[0]
-    -> members[1] -> ... (each forwards every verified chunk of the stripe it receives)."""
+    -> members[1] -> ... (each forwards every verified chunk of the stripe it receives). A
+    member may head several chains of one stripe (a relay tree: it forwards to the next
+    member of each), and is sent only the chains through it (``weights.plan.member_view``)."""
 
     stripe: int
     members: list[str]
@@ -1064,6 +1077,7 @@ AnyMessage = (
     | WeightManifest
     | WeightChunk
     | WeightsInstalled
+    | WeightsReceived
     | WeightSubscribe
     | RelayPlan
     | ChunkRequest

@@ -57,7 +57,7 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
-from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
+from echo2.engines.base import Completion, Engine, EngineThread, SamplingParams, make_engine
 from echo2.envs.base import EnvironmentSpec, load_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits
@@ -191,7 +191,8 @@ class Sampler(Actor):
                 kwargs["prompt_format"] = self.job.prompt_format
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
-        self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
+        self._engine_thread = EngineThread(self.name)
+        self.engine: Engine = await self._engine_thread.call(make_engine, kind, **kwargs)
         # One routing id per connection (never the bare name: echo2.transport.peers).
         self._tasks = ctx.open("tasks", identity=connection_routing_id(self.name))
         self._rollouts = ctx.open("rollouts")
@@ -323,6 +324,9 @@ class Sampler(Actor):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        thread = getattr(self, "_engine_thread", None)
+        if thread is not None:
+            thread.close()
         receiver = getattr(self, "_receiver", None)
         if receiver is not None:
             receiver.close()
@@ -417,7 +421,7 @@ class Sampler(Actor):
             return
         started = time.perf_counter()
         installed = ready.key
-        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), installed.version)
+        await self._engine_thread.call(self.engine.install_weights, ready.tensors(), installed.version)
         self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
@@ -492,7 +496,7 @@ class Sampler(Actor):
         params = SamplingParams(temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens)
         prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
         started = time.perf_counter()
-        rows = await asyncio.to_thread(self.engine.generate, prompt_ids, first.group_size, params)
+        rows = await self._engine_thread.call(self.engine.generate, prompt_ids, first.group_size, params)
         elapsed = time.perf_counter() - started
         self.generate_s += elapsed
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
@@ -527,7 +531,7 @@ class Sampler(Actor):
         async def generate(contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
             nonlocal generate_s
             started = time.perf_counter()
-            rows = await asyncio.to_thread(self.engine.generate, contexts, 1, params)
+            rows = await self._engine_thread.call(self.engine.generate, contexts, 1, params)
             generate_s += time.perf_counter() - started
             return [row[0] for row in rows]
 

@@ -2,11 +2,15 @@
 
 Role: dissemination (``echo2.weights.WeightBroadcaster`` does the work). For each
 ``Snapshot`` it builds a ``WeightManifest`` (layout, a BLAKE3 digest per chunk and for
-the whole) in a worker thread, computes a ``RelayPlan`` from the live samplers (those whose
-``WeightSubscribe`` lease is fresh), sends each the plan and the manifest, and streams the
-chunks to the seeds: every sampler in ``star`` mode, the head of one chain in ``relay``
-mode, the heads of ``stripes`` rotated chains in ``striped`` mode. Samplers forward each
-verified chunk down their chain as it lands. Chunks are views into the snapshot: no copy,
+the whole) in a worker thread, computes a relay plan from the live samplers (those whose
+``WeightSubscribe`` lease is fresh), sends each its place in the plan and the manifest,
+and streams the chunks to the seeds: every sampler in ``star`` mode; in ``relay`` mode the
+head of one chain up to ``relay_depth`` samplers, beyond that the roots of ``f`` stripes'
+trees of fan-out ``f`` (the smallest that keeps every sampler within ``relay_depth`` hops);
+in ``striped`` mode the heads of ``stripes`` rotated chains (or trees). Samplers forward
+each verified chunk to the ones they feed as it lands. Samplers that lag the ones feeding
+them (measured from their ``WeightsReceived``) are placed where they feed nobody
+(``echo2.weights.plan.Placement``). Chunks are views into the snapshot: no copy,
 and the snapshot is never written (the Learner hands over a fresh buffer each time).
 
 Repair and late joiners: a sampler missing chunks (lost, corrupt, dead predecessor) asks
@@ -46,16 +50,21 @@ from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
 from echo2.weights.chunks import DEFAULT_CHUNK_BYTES
 from echo2.weights.link import LinkSpec
-from echo2.weights.plan import RelayMode
+from echo2.weights.plan import MAX_DEPTH, RelayMode
 
 
 class WeightPublisherConfig(ActorConfig, frozen=True):
     chunk_bytes: Annotated[int, Meta(ge=1024, le=32 * 1024 * 1024)] = DEFAULT_CHUNK_BYTES
     """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
     mode: RelayMode = "relay"
-    """"star" (send to every sampler), "relay" (one chain) or "striped" (``stripes`` chains)."""
+    """"star" (send to every sampler), "relay" (samplers forward to each other: one chain up
+    to ``relay_depth`` samplers, beyond that trees whose fan-out grows with their number) or
+    "striped" (``stripes`` rotated chains or trees)."""
     stripes: Annotated[int, Meta(ge=1)] = 2
-    """Chains in striped mode."""
+    """Chains (or trees) in striped mode."""
+    relay_depth: Annotated[int, Meta(ge=1, le=4096)] = MAX_DEPTH
+    """Most samplers a chunk passes through on its way to the farthest one (each adds a
+    hop's latency): relay plans of more samplers are trees of growing fan-out."""
     uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path, Mbit/s (0: uncapped)."""
     member_ttl_s: Annotated[float, Meta(gt=0)] = 5.0
@@ -113,6 +122,7 @@ class WeightPublisher(Actor):
             shm_dir=self.config.shm_dir or None,
             sealed=ctx.sealed_weights,
             delta_anchor_every=self.config.delta_anchor_every,
+            max_depth=self.config.relay_depth,
         )
         self.counters = {"snapshots": 0, "skipped": 0}
 

@@ -21,10 +21,13 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -125,6 +128,31 @@ class Engine(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """Where one engine's blocking calls run: a thread of its own, off the event loop.
+
+    An engine's calls are serial anyway (``install_weights`` waits for ``generate``), so one
+    thread per engine is what lets N engines in one process (simulated samplers, or one
+    process driving several GPUs) run N calls at once: asyncio's shared default pool holds
+    ``cpu_count + 4`` threads, and a 65th sampler in a process would wait for a free one.
+    Threads that compute (torch) are bounded by the process's torch thread share, not here.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{name}")
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Let the running call finish; start no other."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def make_engine(kind: EngineKind, **kwargs: Any) -> Engine:

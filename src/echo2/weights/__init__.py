@@ -1,7 +1,7 @@
 """Weight dissemination: verified chunks, peer-assisted pipelined relay, repair.
 
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
-(relay plans and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
+(relay plans, placement by measurement, and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
 ``stream`` (chunk streams: bytes straight into place; under ``[security]`` inboxes admit
 only the plan's senders), ``pacing`` (deadlines from measured rate and RTT, repair pacing), ``delta`` (a version coded
 as its changes from a base the member holds), ``seal`` (under ``[security]``: versions encrypted once at the
@@ -12,21 +12,28 @@ Two components on top of the pure chunk layer (``echo2.weights.chunks``):
 
 * ``WeightBroadcaster`` (publisher side, owns the ``weights`` ROUTER). Samplers lease
   membership with ``WeightSubscribe`` (repeated every ``announce_s``, naming the address of
-  their relay inbox). Per version it computes a ``RelayPlan`` from the live members
-  (``relay_plan``: star, relay chain or striped chains), sends each member the plan and
-  then the ``WeightManifest`` over the ROUTER (ordered, never dropped: ROUTER_MANDATORY
-  counts a gone peer as unroutable), and streams each chunk to the seed of its stripe
-  through a PUSH connected to the seed's inbox. It answers ``ChunkRequest`` (repair) with
+  their relay inbox). Per version it computes a plan from the live members
+  (``relay_plan``: star, a relay chain, or, beyond ``max_depth`` members, one relay tree
+  per stripe whose fan-out grows with N so that no member is more than ``max_depth``
+  hops from the publisher; striped chains or trees), members placed by what it measured
+  of earlier versions (``Placement``: a member whose ``WeightsReceived`` lags its feeders'
+  goes to a chain's tail or a tree's leaves). It sends each member its own place in the
+  plan (``member_view``: a ``RelayPlan`` as large as its fan-out) and then the
+  ``WeightManifest`` over the ROUTER (ordered, never dropped: ROUTER_MANDATORY counts a
+  gone peer as unroutable), the seeds first, and streams each chunk to the seeds of its
+  stripe through a PUSH connected to each seed's inbox while the other members' plans go
+  out. It answers ``ChunkRequest`` (repair) with
   chunks over the ROUTER, sends the latest manifest to a member that joins late, and
   measures T_bcast from the members' ``WeightsInstalled`` (sent on the same reliable
   channel, not on lossy telemetry).
 * ``WeightReceiver`` (sampler side). It binds a relay inbox (over tcp a chunk stream,
   ``echo2.weights.stream``, whose bytes land straight in the assembly buffer; else,
   or with ``data_plane="zmq"``, a ZeroMQ PULL), assembles a version into memory
-  allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in a
-  worker thread: hashing releases the GIL), forwards every verified chunk of the stripes
-  it relays to its successor the moment it lands (a PUSH per successor), and hands a
-  complete, verified version to ``on_complete``. Gap detection, in bytes: when no byte of
+  allocated once (``SnapshotAssembler``), verifies every chunk against the manifest (in the
+  process's verify threads, one per core, shared by its receivers: hashing releases the GIL), forwards every verified chunk of the stripes
+  it relays to its successors the moment it lands (a PUSH per successor), reports the
+  version received (``WeightsReceived``) and hands it, complete and verified, to
+  ``on_complete``. Gap detection, in bytes: when no byte of
   the version arrives on any path for max(``gap_timeout_s``, K x RTT) the missing chunks
   are requested from the publisher (dropped, corrupt, or a dead predecessor in the chain:
   all end the same way), paced (``echo2.weights.pacing``): at most a window of repair bytes

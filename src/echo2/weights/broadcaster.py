@@ -27,6 +27,7 @@ from echo2.messages import (
     WeightManifest,
     WeightShm,
     WeightsInstalled,
+    WeightsReceived,
     WeightSubscribe,
 )
 from echo2.transport.context import Transport
@@ -44,11 +45,16 @@ from echo2.weights.link import LinkSpec
 from echo2.weights.pacing import OutstandingRepairs
 from echo2.weights.plan import (
     GAMMA,
+    MAX_DEPTH,
     MODES,
     NO_LINK,
     ChunkSender,
+    Placement,
+    RelayTree,
     bcast_threshold,
     chunk_sender,
+    member_view,
+    reach_order,
     relay_plan,
     send_chunk,
 )
@@ -88,6 +94,8 @@ class _Bcast:
     changed_fraction: float | None = None
     encode_s: float | None = None
     delta_members: int = 0
+    received_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Member -> seconds from publication to its ``WeightsReceived`` (placement)."""
 
 
 TRACKED_VERSIONS = 8
@@ -180,6 +188,7 @@ class WeightBroadcaster:
         sealed: bool = False,
         delta_anchor_every: int = 0,
         delta_threads: int = 2,
+        max_depth: int = MAX_DEPTH,
     ) -> None:
         """``shm_dir``: where versions for members sharing this host are written (None:
         never; every member then gets chunks). ``sealed`` (``[security]``): every version
@@ -190,7 +199,11 @@ class WeightBroadcaster:
         ``delta_anchor_every`` K > 1: versions are also delta-coded against the version
         published before them (``prepare_delta``), and every K-th is a dense anchor; members
         that hold that base get the delta form, the others the dense one. 0 or 1: every
-        version dense. Not with ``sealed`` (sealed versions stay dense)."""
+        version dense. Not with ``sealed`` (sealed versions stay dense).
+
+        ``max_depth``: relay plans of more members than this are trees whose fan-out grows
+        with N (``echo2.weights.plan.relay_plan``); members are placed in them by what was
+        measured of past versions (``Placement``)."""
         self.sealed = sealed
         self.delta_anchor_every = delta_anchor_every
         self.delta_threads = delta_threads
@@ -202,6 +215,8 @@ class WeightBroadcaster:
         self.name = name
         self.mode = mode
         self.stripes = stripes
+        self.max_depth = max_depth
+        self.placement = Placement()
         self.chunk_bytes = chunk_bytes
         self.link = link
         self.member_ttl_s = member_ttl_s
@@ -222,6 +237,7 @@ class WeightBroadcaster:
         self._queued_repairs = OutstandingRepairs()  # a request repeated before it is served adds nothing
         self._stream_secret = b""  # the latest plan's: repair streams prove it too
         self._latest_plan: RelayPlan | None = None  # sent to late joiners with the manifest
+        self._latest_trees: list[RelayTree] = []  # the latest plan's: who feeds whom
         self._pushes: dict[str, ChunkSender] = {}
         # Who holds each sampler name on the control channel; a contested name is retried
         # by the subscription lease itself, so the retry hint is unused here.
@@ -311,6 +327,7 @@ class WeightBroadcaster:
         now = time.monotonic()
         for name in [n for n, m in self._members.items() if now - m.last_seen_s > self.member_ttl_s]:
             del self._members[name]
+            self.placement.forget(name)
             self.counters["members_expired"] += 1
         return list(self._members)
 
@@ -331,6 +348,11 @@ class WeightBroadcaster:
     def installed_by(self, key: PolicyVersion) -> list[str]:
         """Members that reported ``key`` (or a later version) installed."""
         return sorted(name for name, m in self._members.items() if m.installed >= key)
+
+    @property
+    def relay_trees(self) -> list[RelayTree]:
+        """The latest version's plan: who feeds whom, per stripe."""
+        return list(self._latest_trees)
 
     @property
     def latest_key(self) -> PolicyVersion | None:
@@ -373,7 +395,7 @@ class WeightBroadcaster:
                         log.warning("%s: subscription refused: %s", self.name, outcome.message)
                         continue
                     await self._on_subscribe(peer, message)
-                elif isinstance(message, ChunkRequest | WeightsInstalled):
+                elif isinstance(message, ChunkRequest | WeightsInstalled | WeightsReceived):
                     # Served only on the connection that holds the name the message carries:
                     # repairs are sent to members, and installs measure T_bcast.
                     if not self._peers.holds(peer, message.sampler_id):
@@ -381,6 +403,8 @@ class WeightBroadcaster:
                         self.unbound_dropped[kind] = self.unbound_dropped.get(kind, 0) + 1
                     elif isinstance(message, ChunkRequest):
                         self._on_repair_request(peer, message)
+                    elif isinstance(message, WeightsReceived):
+                        self._on_received(message)
                     else:
                         self._on_installed(message)
             await self._notify()
@@ -418,8 +442,13 @@ class WeightBroadcaster:
                 # which a sealed member's inbox refuses the repair stream that will fill it.
                 plan = self._latest_plan
                 if plan is not None and plan.policy_version == latest.key:
-                    await self._send(peer, plan)
+                    await self._send(peer, member_view(plan, self._latest_trees, message.sampler_id))
                 await self._send(peer, latest.manifest)
+
+    def _on_received(self, message: WeightsReceived) -> None:
+        version = self._recent.get(message.policy_version)
+        if version is not None and message.sampler_id in version.active:
+            version.received_s.setdefault(message.sampler_id, time.monotonic() - version.published_s)
 
     def _on_installed(self, message: WeightsInstalled) -> None:
         key = message.policy_version
@@ -543,6 +572,11 @@ class WeightBroadcaster:
         names = sorted(self.members())
         version.bcast.active = frozenset(names)
         version.bcast.published_s = time.monotonic()
+        previous, plan = self._latest, self._latest_plan
+        if previous is not None and plan is not None and plan.policy_version == previous.key:
+            # What the last version's plan showed of each member places it in this one.
+            elapsed_s = version.published_s - previous.published_s
+            self.placement.observe(self._latest_trees, previous.bcast.received_s, elapsed_s)
         self._latest = version
         self._track(version.bcast)
         self.counters["published"] += 1
@@ -565,36 +599,56 @@ class WeightBroadcaster:
                 version.bcast.delta_members = len(holders)
                 self.counters["delta_versions"] += 1
                 self.counters["delta_dense_members"] += len(dense_only)
-        stripes, chains = relay_plan(remote, self.mode, self.stripes)
+        order, leaves = self.placement.order(remote)
+        stripes, trees = relay_plan(order, self.mode, self.stripes, max_depth=self.max_depth, leaves=leaves)
         addresses = {n: self._members[n].address for n in remote}
         plan = RelayPlan(
             incarnation=version.key.incarnation,
             version=version.key.version,
             stripes=stripes,
-            chains=chains,
+            chains=[],  # each member is sent its own place in the trees (member_view)
             addresses=addresses,
             publisher=self.name,
             stream_secret=os.urandom(32) if self.sealed else b"",
         )
         self._stream_secret = plan.stream_secret
-        self._latest_plan = plan
-        for name in remote:
-            member = self._members[name]
-            member.manifest_sent_s = version.published_s
-            if await self._send(member.peer, plan):
-                await self._send(member.peer, self._manifest_for(version, name))
-        for name in dense_only:
-            member = self._members[name]
-            member.manifest_sent_s = version.published_s
-            await self._send(member.peer, version.manifest)
-        if local:
-            await asyncio.gather(self._offer_shm(version, local), self._stream_chunks(version, plan))
-        else:
-            await self._stream_chunks(version, plan)
+        self._latest_plan, self._latest_trees = plan, trees
+        # The seeds' plans first; the others' go out while the chunks already flow (in the
+        # order chunks reach them: with hundreds of members, chunks waiting for every
+        # manifest to be sent would add that to every member's time).
+        reached = reach_order(trees)
+        seeds: dict[int, list[str]] = {}
+        for tree in trees:
+            seeds.setdefault(tree.stripe, []).append(tree.members[0])
+        first = len({tree.members[0] for tree in trees})
+        await self._send_plans(version, plan, reached[:first])
+        await asyncio.gather(
+            self._send_plans(version, plan, reached[first:]),
+            self._send_dense(version, dense_only),
+            self._offer_shm(version, local),
+            self._stream_chunks(version, plan, seeds),
+        )
         if self.sealed and self._spare is None:
             # Between versions, so that the next one's page faults are not paid while it
             # is sealed (versions keep their size); never a buffer that was streamed.
             self._spare = await asyncio.to_thread(prefaulted_buffer, version.manifest.total_bytes)
+
+    async def _send_plans(self, version: _Version, plan: RelayPlan, names: list[str]) -> None:
+        """Each member's view of the plan (``member_view``), then its manifest."""
+        for name in names:
+            member = self._members.get(name)
+            if member is None:
+                continue  # gone since the plan was made
+            member.manifest_sent_s = version.published_s
+            if await self._send(member.peer, member_view(plan, self._latest_trees, name)):
+                await self._send(member.peer, self._manifest_for(version, name))
+
+    async def _send_dense(self, version: _Version, names: list[str]) -> None:
+        for name in names:
+            member = self._members.get(name)
+            if member is not None:
+                member.manifest_sent_s = version.published_s
+                await self._send(member.peer, version.manifest)
 
     @staticmethod
     def _manifest_for(version: _Version, member: str) -> WeightManifest:
@@ -619,11 +673,9 @@ class WeightBroadcaster:
         if offer is None or await self._send(member.peer, offer):
             await self._send(member.peer, version.manifest)
 
-    async def _stream_chunks(self, version: _Version, plan: RelayPlan) -> None:
+    async def _stream_chunks(self, version: _Version, plan: RelayPlan, seeds: dict[int, list[str]]) -> None:
+        """Every chunk to the seeds of its stripe (the roots of the plan's trees)."""
         stripes, addresses = plan.stripes, plan.addresses
-        seeds: dict[int, list[str]] = {}
-        for chain in plan.chains:
-            seeds.setdefault(chain.stripe, []).append(chain.members[0])
         dead: set[str] = set()
         # One form per plan: the delta payload when the plan's members took it.
         data, manifest = version.form()

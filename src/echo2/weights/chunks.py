@@ -19,9 +19,11 @@ a peer cannot forge a chunk that matches the publisher's (signed) manifest. "sha
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +34,21 @@ import numpy as np
 from echo2.messages import PolicyVersion, Snapshot, TensorSpec, WeightChunk, WeightManifest
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+_verify_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_verify_pool_lock = threading.Lock()
+
+
+def verify_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's threads for verifying chunks, one per core it may run on, shared by
+    every receiver in it (hashing releases the GIL, so they run in parallel): many samplers
+    in one process must not each start a pool of as many threads as there are cores."""
+    global _verify_pool
+    with _verify_pool_lock:
+        if _verify_pool is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            _verify_pool = concurrent.futures.ThreadPoolExecutor(max(1, cores), thread_name_prefix="verify")
+        return _verify_pool
 
 
 DEFAULT_DIGEST = "blake3"

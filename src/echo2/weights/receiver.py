@@ -26,6 +26,7 @@ from echo2.messages import (
     WeightManifest,
     WeightShm,
     WeightsInstalled,
+    WeightsReceived,
     WeightSubscribe,
 )
 from echo2.transport.context import Transport
@@ -39,6 +40,7 @@ from echo2.weights.chunks import (
     ManifestRejected,
     SnapshotAssembler,
     prefaulted_buffer,
+    verify_pool,
 )
 from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
 from echo2.weights.link import DelayLine, LinkSpec
@@ -71,6 +73,10 @@ from echo2.weights.stream import (
 )
 
 log = logging.getLogger(__name__)
+
+KEPT_PUSHES = 16
+"""Connections to members this one fed kept open while later plans feed others: a plan
+that returns to an earlier shape reuses them; beyond this many, unused ones are closed."""
 
 # -- receiver ----------------------------------------------------------------------------
 
@@ -198,13 +204,13 @@ class WeightReceiver:
         self._rebuilding: PolicyVersion | None = None
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
-        self._successors: dict[int, str] = {}
+        self._successors: dict[int, list[str]] = {}
         self._successor_names: dict[str, str] = {}  # address -> member (whom a stream proves itself to)
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
+        self._pool = verify_pool()  # the process's: many receivers share one process's cores
         self._slots = asyncio.Semaphore(verify_threads)
         self._verify_threads = verify_threads
         self._group: asyncio.TaskGroup | None = None
@@ -279,7 +285,6 @@ class WeightReceiver:
             self._stream.close()
         if self._stream_socket is not None:
             self._stream_socket.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def run(self) -> None:
         if self._inbox is None and self._stream is None:
@@ -448,14 +453,17 @@ class WeightReceiver:
         self._dead_successors = set()
         if plan is None or assembler is None or plan.policy_version != assembler.key:
             return
-        for chain in plan.chains:
+        for chain in plan.chains:  # several chains of a stripe may start here: a relay tree
             if self.name in chain.members:
                 at = chain.members.index(self.name)
                 if at + 1 < len(chain.members):
                     successor = plan.addresses.get(chain.members[at + 1], "")
                     if successor and successor != self.relay_address:
-                        self._successors[chain.stripe] = successor
+                        self._successors.setdefault(chain.stripe, []).append(successor)
                         self._successor_names[successor] = chain.members[at + 1]
+        if len(self._pushes) > KEPT_PUSHES:  # plans change with members: close who we no longer feed
+            for address in [a for a in self._pushes if a not in self._successor_names]:
+                self._pushes.pop(address).close()
         # Chunks that landed before the plan still go down the chain.
         # (Their bytes are in the assembler's buffer, which is never written again.)
         for index in assembler.held():
@@ -676,6 +684,10 @@ class WeightReceiver:
         # Shared-memory members need no spare for the bytes received, only for those opened.
         spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
         self._prepare_spares(assembler.manifest.total_bytes, spares)
+        if self._group is not None:  # now, not at install: the publisher places members by it
+            key = assembler.key
+            received = WeightsReceived(sampler_id=self.name, incarnation=key.incarnation, version=key.version)
+            self._group.create_task(self._control.send(received))
         if self._on_complete is not None:
             self._on_complete(assembler)
 
@@ -742,12 +754,13 @@ class WeightReceiver:
         plan = self._plan
         if not self._successors or plan is None:
             return
-        successor = self._successors.get(index % max(1, plan.stripes))
-        if successor is None:
+        successors = self._successors.get(index % max(1, plan.stripes))
+        if not successors:
             return
         if chunk is None:
             chunk = assembler.chunk(index)
-        self._forward.put_nowait((assembler.key, successor, chunk))
+        for successor in successors:
+            self._forward.put_nowait((assembler.key, successor, chunk))
 
     # -- outputs ---------------------------------------------------------------------
 
