@@ -748,11 +748,14 @@ class WeightDelta(msgspec.Struct, frozen=True):
     total_bytes: int
     """Payload bytes (what is chunked, relayed and repaired)."""
     chunk_digests: list[bytes]
-    """One per ``chunk_bytes`` of payload, in the manifest's ``digest_algorithm``."""
+    """One per chunk of payload (``chunk_bytes``), in the manifest's ``digest_algorithm``."""
     digest: bytes
     """Over the concatenated payload chunk digests (signed with the manifest)."""
     changed_fraction: float = 0.0
     """Elements whose bit pattern differs from the base (telemetry)."""
+    chunk_bytes: int = 0
+    """Payload bytes per chunk (0: the manifest's ``chunk_bytes``); a small payload travels
+    in smaller chunks than the state, so that its rebuild overlaps its arrival."""
 
 
 class WeightManifest(Message, _Versioned, frozen=True):

@@ -157,6 +157,7 @@ class SnapshotAssembler:
         *,
         opener: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
         plaintext: np.ndarray | None = None,
+        on_stored: Callable[[int], None] | None = None,
     ) -> None:
         """``buffer``: memory to assemble into (``total_bytes`` of uint8, owned by this
         assembler from now on); by default a fresh allocation.
@@ -165,7 +166,10 @@ class SnapshotAssembler:
         (``echo2.weights.seal.opener_for``): ``buffer`` then holds the verified
         ciphertext (what is forwarded) and each chunk is opened once, as it is stored,
         into ``plaintext`` (same size; by default a fresh allocation), which ``tensors``
-        views."""
+        views.
+
+        ``on_stored(index)`` is called once per chunk as it is stored, in the thread that
+        stored it (a delta payload's rebuild decodes what the chunk completes)."""
         check_manifest(manifest)
         if bool(manifest.seal_key) != (opener is not None):
             raise ValueError("a sealed manifest needs an opener, and only a sealed one takes one")
@@ -184,6 +188,7 @@ class SnapshotAssembler:
         self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
+        self._on_stored = on_stored
 
     @staticmethod
     def _own(buffer: np.ndarray | None, nbytes: int) -> np.ndarray:
@@ -288,6 +293,8 @@ class SnapshotAssembler:
             with self._lock:
                 self._have[index] = True
                 self.chunks_opened += self._opener is not None
+            if self._on_stored is not None:
+                self._on_stored(index)
             return "stored"
         finally:
             with self._lock:

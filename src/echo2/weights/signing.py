@@ -42,7 +42,8 @@ def signed_payload(manifest: WeightManifest) -> bytes:
         fields.append(manifest.seal_check)
     if manifest.delta is not None:  # and dense ones too: the payload's digest is signed beside the state's
         d = manifest.delta
-        fields.append([b"delta", d.base_incarnation, d.base_version, d.total_bytes, d.digest])
+        signed = [b"delta", d.base_incarnation, d.base_version, d.total_bytes, d.digest]
+        fields.append([*signed, d.chunk_bytes] if d.chunk_bytes else signed)
     return msgspec.msgpack.encode(fields)
 
 
