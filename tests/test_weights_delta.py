@@ -296,3 +296,25 @@ async def test_a_delta_that_rebuilds_the_wrong_state_keeps_the_previous_version_
         assert [c.key.version for c in h.complete["a"]] == [1, 2]  # never the wrong state
         assert equal_to(h.complete["a"][-1], snaps[1])
         assert digest(h.complete["a"][-1].buffer) != digest(wrong)
+
+
+@pytest.mark.parametrize("anchor_every", [0, 4])
+async def test_a_member_keeps_its_delta_base_only_while_the_publisher_codes_deltas(anchor_every: int) -> None:
+    """Keeping the last state as a delta base costs a whole state per member: with delta
+    versions off (the default) no member holds one once the version is handed on."""
+    snaps = versions(2)
+    async with harness(mode="relay", delta_anchor_every=anchor_every) as h:
+        h.add("a")
+        await h.broadcaster.wait_members(1)
+        for snap in snaps:
+            await publish(h, snap)
+            await h.wait_complete(["a"], snap.version)
+            await h.broadcaster.wait_installed(snap.policy_version, 1)
+        receiver = h.receivers["a"]
+        held = receiver._base
+        if anchor_every:
+            assert held is not None and held[0] == snaps[1].policy_version
+            assert receiver.counters["delta_versions"] == 1
+        else:
+            assert held is None and receiver.counters["delta_versions"] == 0
+        assert equal_to(h.complete["a"][-1], snaps[1])

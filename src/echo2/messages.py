@@ -782,6 +782,9 @@ class WeightManifest(Message, _Versioned, frozen=True):
     delta: WeightDelta | None = None
     """Set: this version's chunks are a delta payload against a base (``WeightDelta``);
     None: its chunks are the state itself (a dense version)."""
+    delta_base: bool = False
+    """The publisher codes later versions against this one (delta versions are on): a
+    member keeps the state as its delta base. False: it need not keep a copy."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):

@@ -269,7 +269,10 @@ class WeightBroadcaster:
             if spare is not None and spare.nbytes != snapshot.data.nbytes:
                 spare = None
             return seal_version(snapshot, self.chunk_bytes, out=spare)
-        return snapshot, make_manifest(snapshot, self.chunk_bytes)
+        manifest = make_manifest(snapshot, self.chunk_bytes)
+        if self.delta_anchor_every > 1:  # members keep each version: the next may be coded against it
+            manifest = msgspec.structs.replace(manifest, delta_base=True)
+        return snapshot, manifest
 
     def prepare_delta(self, snapshot: Snapshot, manifest: WeightManifest) -> DeltaForm | None:
         """The delta form of ``snapshot`` (in the clear; ``manifest`` its prepared one)

@@ -654,7 +654,10 @@ class WeightReceiver:
     def _finish(self, assembler: SnapshotAssembler) -> None:
         """A version complete and verified: the base of the next delta, and ``on_complete``."""
         self._complete_key = assembler.key
-        self._base = (assembler.key, assembler.plaintext)
+        # Kept only while the publisher sends delta versions: on a large model the copy is
+        # a whole state more per member.
+        keep = assembler.manifest.delta_base or assembler.manifest.delta is not None
+        self._base = (assembler.key, assembler.plaintext) if keep else None
         self.counters["versions_complete"] += 1
         # Shared-memory members need no spare for the bytes received, only for those opened.
         spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
