@@ -722,6 +722,16 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+class LoraAdapter(msgspec.Struct, frozen=True):
+    """A version that is a LoRA adapter on the base model every member already serves
+    (``echo2.models.adapters``): its tensors are ``<module>.lora_A.weight`` (rank x in)
+    and ``<module>.lora_B.weight`` (out x rank) per adapted linear module, and the module's
+    output becomes ``base(x) + alpha / rank * B(A(x))``."""
+
+    rank: int
+    alpha: float
+
+
 class Snapshot(Message, _Versioned, frozen=True):
     """Learner -> WeightPublisher: an immutable copy of the policy, flat, with its layout.
 
@@ -734,6 +744,9 @@ class Snapshot(Message, _Versioned, frozen=True):
     tensors: list[TensorSpec]
     data: np.ndarray  # uint8 (total_bytes,)
     created_at_s: float
+    adapter: LoraAdapter | None = None
+    """Set: ``tensors`` are LoRA adapter weights on the job's base model, not the policy's
+    full state (``echo2.models.adapters``)."""
 
 
 class WeightDelta(msgspec.Struct, frozen=True):
@@ -785,6 +798,9 @@ class WeightManifest(Message, _Versioned, frozen=True):
     delta_base: bool = False
     """The publisher codes later versions against this one (delta versions are on): a
     member keeps the state as its delta base. False: it need not keep a copy."""
+    adapter: LoraAdapter | None = None
+    """Set: the state is a LoRA adapter on the base model (``LoraAdapter``), installed as
+    one (``Engine.install_adapter``); None: the policy's full weights."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):

@@ -153,6 +153,9 @@ class Sampler(Actor):
                 kwargs["prompt_format"] = self.job.prompt_format
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
+        if kind == "vllm":
+            # A LoRA run's rollouts in flight finish under their own adapter version.
+            kwargs.setdefault("resident_adapters", self.job.staleness + 1)
         self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
         # One routing id per connection (never the bare name: echo2.transport.peers).
         self._tasks = ctx.open("tasks", identity=connection_routing_id(self.name))
@@ -346,7 +349,11 @@ class Sampler(Actor):
             return
         started = time.perf_counter()
         installed = ready.key
-        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), installed.version)
+        adapter = ready.manifest.adapter  # a LoRA run's versions are adapters on the base model
+        if adapter is not None:
+            await asyncio.to_thread(self.engine.install_adapter, ready.tensors(), adapter, installed.version)
+        else:
+            await asyncio.to_thread(self.engine.install_weights, ready.tensors(), installed.version)
         self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1

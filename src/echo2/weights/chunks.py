@@ -109,6 +109,7 @@ def make_manifest(
         digest=digest(b"".join(chunk_digests), algorithm),
         published_at_s=time.time(),
         digest_algorithm=algorithm,
+        adapter=snapshot.adapter,
     )
 
 
