@@ -251,3 +251,54 @@ def test_the_vllm_engine_keeps_s_plus_1_adapter_versions_resident(fake_vllm: Non
     with pytest.raises(ValueError, match="max_lora_rank"):
         engine.install_adapter(adapter, LoraAdapter(rank=16, alpha=8.0), 6)
     engine.close()
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_a_lora_run_publishes_adapter_versions_that_samplers_install(tmp_path: Path) -> None:
+    """The colocated main job, tiny, under LoRA with delta versions on: every version on the
+    wire is the adapter (its bytes, not the model's), and the sampler installs them."""
+    from tests.test_replay import ROOT, TINY
+
+    from echo2.models.adapters import adapter_state
+    from echo2.rundir import RunDir
+    from echo2.tools.plan import _apply_bytes, apply_run, make_plan, render
+    from echo2.tools.plan import inputs_from_topology as plan_inputs
+    from echo2.runtime import ProcessRuntime
+    from echo2.topology import build_process, load_topology, resolve
+
+    overrides = [
+        *TINY[1:],
+        "actors.learner.config.max_steps=4",
+        "actors.learner.config.kappa=1",
+        "actors.learner.config.lora={rank=4, alpha=8.0}",
+        "actors.weight_publisher.config.delta_anchor_every=3",
+    ]
+    topology = load_topology(ROOT / "examples" / "colocated.toml", overrides)
+    run = RunDir.create(tmp_path, "lora")
+    resolved = resolve(topology, run.name, str(run.root))
+    actors, addresses, telemetry = build_process(resolved, "all")
+    await ProcessRuntime(actors, addresses, process="all", run_dir=run.root, telemetry_connect=telemetry).run()
+    (learner,) = [a for a in actors if isinstance(a, Learner)]
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter_state(learner.policy.core).values())
+    model_bytes = sum(p.numel() * p.element_size() for p in learner.policy.core.parameters() if not p.requires_grad)
+    assert adapter_bytes < model_bytes / 20
+    versions = run.metrics("weight_publisher", "broadcast")
+    assert len(versions) >= 3 and all(v["dense_bytes"] == adapter_bytes for v in versions)
+    assert all(v["wire_bytes"] <= adapter_bytes for v in versions)
+    assert all(v["installed"] == v["active"] == 1 for v in versions if not v["superseded"])
+    summary = run.summary_path.read_text()
+    assert '"steps": 4' in summary
+    # The plan sees what LoRA does: versions of the adapter, against the full model's.
+    (record,) = run.metrics("learner", "lora")
+    assert (record["adapter_bytes"], record["model_bytes"]) == (adapter_bytes, model_bytes)
+    inputs = plan_inputs(topology)
+    apply_run(inputs, run.root)
+    _apply_bytes(inputs, None, 10.0)
+    plan = make_plan(inputs)
+    assert plan["bytes_per_version"] == adapter_bytes and plan["model_bytes_per_version"] == model_bytes
+    assert plan["t_bcast_full_model_s"] == pytest.approx(model_bytes * 8 / 10e6, rel=1e-4)
+    assert plan["t_bcast_s"] == pytest.approx(adapter_bytes * 8 / 10e6, rel=1e-4)
+    assert "LoRA: versions carry the adapter" in render(plan)

@@ -294,6 +294,7 @@ class Learner(Actor):
     # -- main loop -------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._record_lora()
         self.evals.append(await asyncio.to_thread(self.evaluate))
         self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
         await self._publish_metrics(None, self.evals[-1])
@@ -381,6 +382,20 @@ class Learner(Actor):
             message = await self._batches.recv()
             if isinstance(message, Batch):
                 return message
+
+    def _record_lora(self) -> None:
+        """A LoRA run's ``lora`` record: the adapter its versions carry against the full
+        state a run without LoRA would publish (``python -m echo2.plan`` compares them)."""
+        from echo2.models.hf import unique_state
+        from echo2.training.lora import LoraTrainer
+
+        if not isinstance(self.trainer, LoraTrainer):
+            return
+        state = unique_state(self.policy.core)
+        adapter = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
+        model = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
+        lora = self.trainer.adapter
+        self.ctx.record("lora", rank=lora.rank, alpha=lora.alpha, adapter_bytes=adapter, model_bytes=model)
 
     async def _publish(self) -> None:
         from echo2.training.lora import LoraTrainer
