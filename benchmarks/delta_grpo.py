@@ -45,7 +45,10 @@ def additions(path: Path, count: int = 200) -> Path:
     with path.open("w") as f:
         for i in range(count):
             a, b = rng.randint(1, 9), rng.randint(1, 9)
-            f.write(json.dumps({"id": i, "prompt": f"What is {a} + {b}? Answer with the number.", "answer": str(a + b)}) + "\n")
+            f.write(
+                json.dumps({"id": i, "prompt": f"What is {a} + {b}? Answer with the number.", "answer": str(a + b)})
+                + "\n"
+            )
     return path
 
 
@@ -130,7 +133,7 @@ def main() -> None:
             step_s = time.perf_counter() - started
             _, state = flatten_tensors(trainer.state_for_publication())
             t = time.perf_counter()
-            payload, coded = encode(state, previous, specs)
+            _, coded = encode(state, previous, specs)
             row = {
                 "version": step + 1,
                 "reward_mean": float(np.mean([g.rewards.mean() for g in groups])),

@@ -85,7 +85,9 @@ def bytes_per_version() -> dict[str, Any]:
     }
 
 
-def case(name: str, engine: Engine, dense: dict[str, np.ndarray], adapter: dict[str, np.ndarray], repeats: int) -> dict[str, Any]:
+def case(
+    name: str, engine: Engine, dense: dict[str, np.ndarray], adapter: dict[str, np.ndarray], repeats: int
+) -> dict[str, Any]:
     base_bytes = sum(a.nbytes for a in dense.values())
     dense_s = median_s(lambda: engine.install_weights(dense, 1), repeats)
     adapter_s = median_s(lambda: engine.install_adapter(adapter, ADAPTER, 2), repeats)

@@ -264,9 +264,9 @@ async def test_a_lora_run_publishes_adapter_versions_that_samplers_install(tmp_p
 
     from echo2.models.adapters import adapter_state
     from echo2.rundir import RunDir
+    from echo2.runtime import ProcessRuntime
     from echo2.tools.plan import _apply_bytes, apply_run, make_plan, render
     from echo2.tools.plan import inputs_from_topology as plan_inputs
-    from echo2.runtime import ProcessRuntime
     from echo2.topology import build_process, load_topology, resolve
 
     overrides = [
