@@ -9,10 +9,11 @@ as soon as a version is complete and verified), every member's uplink and downli
 publisher's uplink capped at Bw. A state of ``--size-mb`` of bf16 (normal weights), and for
 each changed fraction f: one dense version (the base every member installs), then the
 next state, in which a fraction f of elements took a small update (x (1 + 1e-2 N(0,1)),
-rounded to bf16), published once dense and once delta-coded (two version numbers, same
-bytes). A member reports an install only after the rebuilt state verified against the
+rounded to bf16), published dense, then delta-coded back and forth between the two
+states. A member reports an install only after the rebuilt state verified against the
 manifest's full-state digests, chunk by chunk: every install is digest-equal to the
-learner's state.
+learner's state. T_bcast dense is one version; T_bcast delta is the median of ``--repeats``
+delta versions going back and forth between the two states (the same changes each time).
 
 Reported per fraction: delta payload / dense bytes, T_bcast dense and delta (median of
 ``--repeats``), delta T_bcast / (delta bytes / Bw), encode time vs the manifest's hashing
@@ -169,16 +170,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     before, after = bf16_states(nbytes, fraction, seed=int(fraction * 1000))
                     dense_t, delta_t = [], []
                     delta_bytes, changed = 0, 0.0
-                    for _ in range(args.repeats):
+                    bench.version += 1
+                    await bench.publish(snapshot(bench.version, before), delta=False)  # the base
+                    bench.version += 1
+                    t, _, _ = await bench.publish(snapshot(bench.version, after), delta=False)
+                    dense_t.append(t)
+                    for repeat in range(args.repeats):
+                        # Back and forth between the two states: each a delta of the same changes.
                         bench.version += 1
-                        await bench.publish(snapshot(bench.version, before), delta=False)  # the base
-                        bench.version += 1
-                        t, _, _ = await bench.publish(snapshot(bench.version, after), delta=False)
-                        dense_t.append(t)
-                        bench.version += 1
-                        await bench.publish(snapshot(bench.version, before), delta=False)  # the base again
-                        bench.version += 1
-                        t, delta_bytes, changed = await bench.publish(snapshot(bench.version, after), delta=True)
+                        state = before if repeat % 2 == 0 else after
+                        t, delta_bytes, changed = await bench.publish(snapshot(bench.version, state), delta=True)
                         delta_t.append(t)
                     cost = encode_cost(before, after, chunk)
                     row = {
@@ -189,6 +190,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "delta_over_dense": delta_bytes / nbytes,
                         "t_dense_s": statistics.median(dense_t),
                         "t_delta_s": statistics.median(delta_t),
+                        "t_delta_each_s": delta_t,
                         "delta_x_bytes_over_bw": statistics.median(delta_t) / (delta_bytes / bw_bps),
                         "dense_x_bytes_over_bw": statistics.median(dense_t) / (nbytes / bw_bps),
                         **cost,
@@ -244,7 +246,7 @@ def main() -> None:
     parser.add_argument("--bw-mbps", type=float, default=100.0)
     parser.add_argument("--chunk-kb", type=int, default=256)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.30])
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     result = asyncio.run(run(args))

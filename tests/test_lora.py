@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("peft", reason="LoRA needs the 'lora' extra (peft)")
 import torch
-from tests.test_hf_models import _Ctx, make_tiny_llama
+from tests.test_hf_models import _Ctx, make_tiny_llama, scored_group
 
 from echo2.actors.learner import Learner, LearnerConfig
 from echo2.engines.base import SamplingParams, make_engine
 from echo2.job import JobConfig
-from echo2.messages import LoraAdapter, RolloutGroup, ScoredGroup
+from echo2.messages import LoraAdapter
 from echo2.models.adapters import LoraConfig, adapted_modules, load_peft, save_peft
 from echo2.weights.chunks import flatten_tensors, unflatten
 
@@ -31,31 +31,6 @@ def learner_with(lora: LoraConfig, model: str = "") -> Learner:
     learner.ctx = _Ctx()  # type: ignore[assignment]
     learner._build()
     return learner
-
-
-def scored_group(engine: Any, prompt_text: str = "12+34=") -> ScoredGroup:
-    prompt = engine.encode_prompt(prompt_text)
-    (group,) = engine.generate([prompt], 4, SamplingParams(temperature=1.0, max_new_tokens=5, seed=1))
-    offsets = np.cumsum([0] + [len(c.token_ids) for c in group]).astype(np.int32)
-    return ScoredGroup(
-        group=RolloutGroup(
-            lease_id=0,
-            task_id="t0",
-            attempt=0,
-            sampler_id="s",
-            incarnation=0,
-            version=0,
-            prompt=prompt_text,
-            prompt_token_ids=np.array(prompt, dtype=np.int32),
-            token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
-            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32),
-            offsets=offsets,
-            texts=[c.text for c in group],
-            finish_reasons=[c.finish_reason for c in group],
-        ),
-        rewards=np.array([1.0, 0.0, 1.0, 0.0], dtype=np.float32),
-        keep=np.ones(4, dtype=bool),
-    )
 
 
 def published(learner: Learner) -> dict[str, np.ndarray]:
@@ -77,7 +52,7 @@ def test_a_lora_learner_trains_and_publishes_only_the_adapter_and_the_torch_engi
     )
     adapter_bytes = sum(p.numel() * p.element_size() for p in core.parameters() if p.requires_grad)
     assert sum(a.nbytes for a in before.values()) == adapter_bytes  # a version is the adapter's bytes
-    record = learner._train_step([scored_group(sampler)])
+    record = learner._train_step([scored_group(sampler, "12+34=")])
     assert np.isfinite(record["loss"])
     after = published(learner)
     assert any(not np.array_equal(before[k], after[k]) for k in after)
@@ -123,7 +98,7 @@ def test_an_adapter_install_refuses_what_does_not_fit_and_changes_nothing() -> N
 
 def test_a_lora_checkpoint_resumes_the_adapter_and_its_optimiser(tmp_path: Path) -> None:
     learner = learner_with(LoraConfig(rank=4, alpha=8.0))
-    learner._train_step([scored_group(make_engine("torch", seed=0))])
+    learner._train_step([scored_group(make_engine("torch", seed=0), "12+34=")])
     learner.trainer.save(tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"}
     resumed = learner_with(LoraConfig(rank=4, alpha=8.0))
@@ -149,7 +124,7 @@ def test_hf_lora_adapters_served_by_the_hf_engine_and_as_the_peft_directory_vllm
     llama = make_tiny_llama(tmp_path / "llama")
     learner = learner_with(LoraConfig(rank=4, alpha=8.0), model=str(llama))
     sampler = make_engine("hf", model_dir=str(llama), seed=0)
-    learner._train_step([scored_group(sampler)])
+    learner._train_step([scored_group(sampler, "12+34=")])
     adapter = published(learner)
     modules = adapted_modules(adapter)
     assert any(m.endswith("self_attn.q_proj") for m in modules) and not any("lm_head" in m for m in modules)
