@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -310,23 +309,6 @@ def decode(payload: np.ndarray, base: np.ndarray, out: np.ndarray) -> None:
 
 
 # -- rebuilding while the payload arrives ------------------------------------------------
-
-
-REBUILD_NICENESS = 5
-"""How much lower a rebuild thread's CPU priority is than its process's (``yield_cpu``)."""
-
-
-def yield_cpu() -> None:
-    """A rebuild thread's initializer: run at a lower CPU priority than the rest of the
-    process (Linux: a thread's own niceness), so that on a busy host receiving and
-    forwarding chunks, which sets the pace of the whole chain, is not held up by decoding,
-    which can run in any gap until the last chunk is in. No-op where threads have no
-    priority of their own."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + REBUILD_NICENESS)
-    except (AttributeError, OSError):
-        pass  # not Linux, or not allowed: decode at the process's priority
 
 
 class DeltaRebuild:

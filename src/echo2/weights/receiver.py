@@ -40,7 +40,7 @@ from echo2.weights.chunks import (
     SnapshotAssembler,
     prefaulted_buffer,
 )
-from echo2.weights.delta import DeltaRebuild, base_of, yield_cpu
+from echo2.weights.delta import DeltaRebuild, base_of
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
     DEFAULT_MAX_OUTSTANDING_BYTES,
@@ -193,9 +193,7 @@ class WeightReceiver:
         self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
         # Delta rebuilds decode in their own threads: a chunk's verification (and so its
         # forwarding down the chain) never queues behind decoding.
-        self._rebuild_pool = concurrent.futures.ThreadPoolExecutor(
-            verify_threads, thread_name_prefix=f"rebuild-{name}", initializer=yield_cpu
-        )
+        self._rebuild_pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"rebuild-{name}")
         self._slots = asyncio.Semaphore(verify_threads)
         self._verify_threads = verify_threads
         self._group: asyncio.TaskGroup | None = None
