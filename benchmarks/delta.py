@@ -1,7 +1,8 @@
 """Delta-coded weight versions: bytes on the wire and T_bcast, dense vs delta, on capped links.
 
     python benchmarks/delta.py [--size-mb 128] [--n 4] [--bw-mbps 100] [--chunk-kb 256]
-                               [--fractions 0.01 0.02 0.03 0.30] [--json PATH]
+                               [--fractions 0.01 0.02 0.03 0.30] [--repeats 5] [--json PATH]
+    python -m benchmarks.delta --memory   # a member's RSS with delta coding off and on
 
 Setup: the publisher (``WeightBroadcaster``, relay mode) in this process; N member
 processes, broadcast.py's own (each a ``WeightReceiver`` that reports ``WeightsInstalled``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -153,7 +155,52 @@ def encode_cost(before: np.ndarray, after: np.ndarray, chunk: int) -> dict[str, 
     return {"hash_s": statistics.median(hashing), "encode_s": statistics.median(encoding)}
 
 
+def rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+async def memory_run(size_mb: float, anchor_every: int, versions: int = 3) -> list[float]:
+    """This process's RSS after each of ``versions`` dense versions that one member (a
+    ``WeightReceiver`` in this process) installs and lets go of, publisher alongside."""
+    from tests.test_weights_relay import harness
+
+    rng = np.random.default_rng(0)
+    weights = rng.integers(0, 1 << 16, int(size_mb * (1 << 19)), dtype=np.uint16)
+    out = []
+    async with harness(mode="relay", delta_anchor_every=anchor_every) as h:
+        h.add("a").prefault_next = False  # no spare mapped in the background: RSS holds still
+        await h.broadcaster.wait_members(1)
+        for version in range(1, versions + 1):
+            snap, manifest = h.broadcaster.prepare(snapshot(version, weights))
+            h.broadcaster.publish_nowait(snap, manifest, h.broadcaster.prepare_delta(snap, manifest))
+            await h.wait_complete(["a"], version)
+            await h.broadcaster.wait_installed(snap.policy_version, 1)
+            h.complete["a"].clear()  # installed: the member's engine would hold its own copy
+            del snap
+            gc.collect()
+            out.append(round(rss_mib(), 1))
+    return out
+
+
+def base_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """RSS with delta coding off and on, each in a fresh process: with it on, the member
+    keeps the last state as its delta base (one state more); off, it keeps none."""
+    out: dict[str, Any] = {"state_mib": args.size_mb}
+    for label, anchor_every in (("delta_off", 0), ("delta_on", 1_000_000)):
+        code = f"import asyncio, json; from benchmarks.delta import memory_run; print(json.dumps(asyncio.run(memory_run({args.size_mb}, {anchor_every}))))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        out[label] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(
+        f"RSS after each version (publisher and one member, MiB): delta off {out['delta_off']}, "
+        f"on {out['delta_on']} (state {args.size_mb:g} MiB)",
+        file=sys.stderr,
+    )
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.memory:
+        return {"memory": base_memory(args), "load": os.getloadavg()[0]}
     nbytes = int(args.size_mb * (1 << 20))
     chunk = args.chunk_kb * 1024
     bw_bps = args.bw_mbps * 1e6 / 8
@@ -247,6 +294,7 @@ def main() -> None:
     parser.add_argument("--chunk-kb", type=int, default=256)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.02, 0.03, 0.30])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--memory", action="store_true", help="only a member's memory, delta off and on (uncapped)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     result = asyncio.run(run(args))
