@@ -153,17 +153,18 @@ def main() -> None:
                 flush=True,
             )
             previous = state
-    out = {
-        "model": args.model or "tiny",
-        "dtype": dtype,
-        "lr": args.lr,
-        "warmup_steps": args.warmup_steps,
-        "rollouts_per_step": args.groups * args.group_size,
-        "versions": rows,
-        "load": os.getloadavg()[0],
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+            out = {
+                "model": args.model or "tiny",
+                "dtype": dtype,
+                "lr": args.lr,
+                "warmup_steps": args.warmup_steps,
+                "rollouts_per_step": args.groups * args.group_size,
+                "max_new_tokens": job.max_new_tokens,
+                "versions": rows,
+                "load": os.getloadavg()[0],
+            }
+            if args.json:  # after every step: a long run's first versions are already a result
+                Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

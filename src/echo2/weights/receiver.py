@@ -528,7 +528,7 @@ class WeightReceiver:
             await self._ask_dense(manifest.policy_version)
             return
         try:
-            # Rebuilt as its payload's chunks verify, in the verify threads.
+            # Rebuilt as its payload's chunks verify, in the rebuild threads.
             rebuild = DeltaRebuild(
                 manifest, self._base[1], self._rebuild_pool.submit, out=self._take_spare(manifest.total_bytes)
             )
