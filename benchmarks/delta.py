@@ -18,13 +18,16 @@ delta versions going back and forth between the two states (the same changes eac
 
 Reported per fraction: delta payload / dense bytes, T_bcast dense and delta (median of
 ``--repeats``), delta T_bcast / (delta bytes / Bw), encode time vs the manifest's hashing
-of the same state (ratio in the same run). Then a loss run: 10% of the publisher's
+of the same state (ratio in the same run), and the CPU seconds a member spent on a delta
+version (receiving, forwarding, rebuilding and verifying the state; median over members
+and versions): N members sharing C cores need at least N x that / C seconds, whatever Bw. Then a loss run: 10% of the publisher's
 chunks dropped and the second member of the chain (a relay) killed right after the
 delta version is published; the other members must still install it (repair).
 
 Floors (issue 16): 1-3% changed: delta bytes <= 6% of dense; delta T_bcast <= 1.25 x
 (delta bytes / Bw); digest-equal under 10% loss with a relay killed; 30% changed: delta
-T_bcast never above dense.
+T_bcast never above dense (the publisher falls back to dense from 25% changed,
+``DELTA_MAX_CHANGED``: ``fallback_to_dense`` in the row).
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ class Bench:
             for i in range(n)
         }
         self.version = 0
+        self.fell_back = False
+        self.last_cpu_s: list[float] = []
+        """CPU seconds each member spent during the last version (until all installed)."""
 
     @staticmethod
     def _member_args(bw_mbps: float, chunk: int) -> list[str]:
@@ -116,17 +122,27 @@ class Bench:
         b = self.broadcaster
         snap, manifest = b.prepare(snap)
         form: DeltaForm | None = await asyncio.to_thread(b.prepare_delta, snap, manifest) if delta else None
-        if delta and form is None:
-            raise RuntimeError("no delta form (anchor or fallback)")
+        self.fell_back = delta and form is None  # the publisher chose dense (DELTA_MAX_*)
         if not delta:
             b.prepare_delta(snap, manifest)  # the next version's base, as the publisher would
+        cpu = self.members_cpu_s()
         started = time.monotonic()
         b.publish_nowait(snap, manifest, form)
         async with asyncio.timeout(600):
             await b.wait_installed(snap.policy_version, self.n)
+        self.last_cpu_s = [after - before for before, after in zip(cpu, self.members_cpu_s(), strict=True)]
         if form is None:
             return time.monotonic() - started, manifest.total_bytes, float("nan")
         return time.monotonic() - started, form.payload.nbytes, form.stats.changed_fraction
+
+    def members_cpu_s(self) -> list[float]:
+        """CPU seconds (user + system) each member process has used so far (Linux /proc)."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = []
+        for p in self.procs.values():
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / ticks)  # utime, stime
+        return out
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -222,14 +238,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.version += 1
                     t, _, _ = await bench.publish(snapshot(bench.version, after), delta=False)
                     dense_t.append(t)
+                    member_cpu, fell_back = [], False
                     for repeat in range(args.repeats):
                         # Back and forth between the two states: each a delta of the same changes.
                         bench.version += 1
                         state = before if repeat % 2 == 0 else after
                         t, delta_bytes, changed = await bench.publish(snapshot(bench.version, state), delta=True)
                         delta_t.append(t)
+                        member_cpu.append(statistics.median(bench.last_cpu_s))
+                        fell_back = fell_back or bench.fell_back
+                    if fell_back:  # what went out was dense: its bytes and fraction from the coding
+                        _, stats = encode(snapshot(0, after).data, snapshot(0, before).data, snapshot(0, after).tensors)
+                        delta_bytes, changed = nbytes, stats.changed_fraction
                     cost = encode_cost(before, after, chunk)
                     row = {
+                        "fallback_to_dense": fell_back,
                         "changed_fraction": changed,
                         "target_fraction": fraction,
                         "dense_bytes": nbytes,
@@ -238,6 +261,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         "t_dense_s": statistics.median(dense_t),
                         "t_delta_s": statistics.median(delta_t),
                         "t_delta_each_s": delta_t,
+                        "member_cpu_s": statistics.median(member_cpu),
+                        "members_cpu_over_cores_s": statistics.median(member_cpu) * args.n / (os.cpu_count() or 1),
                         "delta_x_bytes_over_bw": statistics.median(delta_t) / (delta_bytes / bw_bps),
                         "dense_x_bytes_over_bw": statistics.median(dense_t) / (nbytes / bw_bps),
                         **cost,
@@ -248,7 +273,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"f={row['changed_fraction']:.4f}: delta/dense {row['delta_over_dense']:.4f}, "
                         f"T dense {row['t_dense_s']:.2f} s, T delta {row['t_delta_s']:.3f} s "
                         f"({row['delta_x_bytes_over_bw']:.2f} x bytes/Bw), encode {cost['encode_s']:.3f} s "
-                        f"({row['encode_over_hash']:.1f} x hashing)",
+                        f"({row['encode_over_hash']:.1f} x hashing); member CPU {row['member_cpu_s']:.3f} s per delta version",
                         file=sys.stderr,
                         flush=True,
                     )

@@ -318,3 +318,18 @@ async def test_a_member_keeps_its_delta_base_only_while_the_publisher_codes_delt
         else:
             assert held is None and receiver.counters["delta_versions"] == 0
         assert equal_to(h.complete["a"][-1], snaps[1])
+
+
+async def test_a_version_with_a_quarter_of_its_elements_changed_goes_dense() -> None:
+    """Rebuilding a dense-ish delta scatters much of the state: from DELTA_MAX_CHANGED of
+    the elements changed the publisher sends the dense form, even when the payload is
+    small (30% of bf16-like elements changed by a little compresses to far less than dense)."""
+    async with harness(mode="relay", delta_anchor_every=8) as h:
+        light, heavy = versions(2, fraction=0.02), versions(2, fraction=0.30)
+        for snaps, coded in ((light, True), (heavy, False)):
+            h.broadcaster._delta_base = None
+            await publish(h, snaps[0])
+            snap, manifest = h.broadcaster.prepare(snaps[1])
+            form = h.broadcaster.prepare_delta(snap, manifest)
+            assert (form is not None) == coded
+        assert h.broadcaster.counters["delta_fallbacks"] == 1
