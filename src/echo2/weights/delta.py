@@ -129,14 +129,22 @@ def segments(tensors: Sequence[TensorSpec], segment_bytes: int = DEFAULT_SEGMENT
 
 
 def _shuffle(values: np.ndarray) -> bytes:
-    """Byte planes, most significant first (little-endian storage: reversed)."""
-    planes = values.view(np.uint8).reshape(-1, values.itemsize)[:, ::-1]
-    return np.ascontiguousarray(planes.T).tobytes()
+    """Byte planes, most significant first (little-endian storage: reversed). One plane at
+    a time: a transposing copy of the whole is several times slower."""
+    width = values.itemsize
+    items = values.view(np.uint8).reshape(-1, width)
+    planes = np.empty((width, len(values)), dtype=np.uint8)
+    for plane in range(width):
+        planes[plane] = items[:, width - 1 - plane]
+    return planes.tobytes()
 
 
 def _unshuffle(raw: np.ndarray, itemsize: int, count: int) -> np.ndarray:
-    planes = raw.reshape(itemsize, count)[::-1].T
-    return np.ascontiguousarray(planes).view(_UINT[itemsize]).reshape(-1)
+    planes = raw.reshape(itemsize, count)
+    items = np.empty((count, itemsize), dtype=np.uint8)
+    for plane in range(itemsize):
+        items[:, itemsize - 1 - plane] = planes[plane]
+    return items.view(_UINT[itemsize]).reshape(-1)
 
 
 def _gap_width(largest: int) -> int:
