@@ -42,6 +42,10 @@ and its open leases are expired now. A sampler whose installed version (reported
 ``WorkRequest``) is older than the learner's next version minus S gets no leases until it
 reports a newer one: its work could not be trained.
 
+Leaving: a sampler that says ``Goodbye`` (its process stopped in a run that goes on) has its
+leases expired now, its credit and name forgotten and the scheduler told (``GoodbyeSeen``
+answers it); workers joined with ``python -m echo2.join`` leave this way.
+
 Shutdown: on ``stopping`` it stops issuing and returns.
 """
 
@@ -66,8 +70,15 @@ from msgspec import Meta
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.actors import lease_journal as wal
-from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
+from echo2.actors.admission import (
+    QUARANTINE_EXEMPT,
+    PromptCodec,
+    RejectionTracker,
+    lease_meta,
+    trusted_prompt_codec,
+)
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
+from echo2.envs.base import episode_seed
 from echo2.job import JobConfig, JobObjects
 from echo2.journal import FsyncPolicy, Journal
 from echo2.messages import (
@@ -76,6 +87,8 @@ from echo2.messages import (
     PROTOCOL_VERSION,
     AdmissionWindow,
     ExpireLease,
+    Goodbye,
+    GoodbyeSeen,
     Heartbeat,
     Hello,
     LearnerProgress,
@@ -232,6 +245,8 @@ class PromptSource(Actor):
                 "leases_rejected",
                 "quarantined_samplers",
                 "leases_withheld_old_version",
+                "samplers_left",
+                "leases_returned_on_leaving",
             ),
             0,
         )
@@ -412,6 +427,8 @@ class PromptSource(Actor):
                                 for peer, message in await self._tasks_ep.recv_many():
                                     if isinstance(message, RunEndedSeen):
                                         unacknowledged.discard(peer)
+                                    elif isinstance(message, Goodbye):  # leaving as the run ends
+                                        await self._tasks_ep.send(peer, ended)
         except TimeoutError:
             self.ctx.log.warning(
                 "%d sampler(s) did not acknowledge the end of the run within %g s",
@@ -473,6 +490,8 @@ class PromptSource(Actor):
             for peer, message in await self._tasks_ep.recv_many():
                 if isinstance(message, Hello):
                     await self._greet(peer, message)
+                elif isinstance(message, Goodbye):
+                    await self._farewell(peer, message)
                 elif self._peers.name_of(peer) is None:
                     # Not welcomed (never said Hello, refused, or replaced by its restart):
                     # nothing it sends is served.
@@ -492,6 +511,25 @@ class PromptSource(Actor):
                     self._credits[peer] = wanted
                     self._installed[peer] = message.installed_version
                     self._wakeup.set()
+
+    async def _farewell(self, peer: bytes, goodbye: Goodbye) -> None:
+        """A sampler leaves: expire what it holds now, forget it, and say so (``GoodbyeSeen``).
+        A connection never welcomed holds nothing; it is answered all the same."""
+        name = self._peers.name_of(peer)
+        self._credits.pop(peer, None)
+        self._installed.pop(peer, None)
+        now = time.monotonic()
+        held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
+        for lease in held:
+            lease.deadline = now
+            heapq.heappush(self._deadlines, (now, lease.lease_id))
+        if name is not None:
+            self._peers.release(peer)
+            self.scheduler.observe_left(name)
+            self.counters["samplers_left"] += 1
+            self.counters["leases_returned_on_leaving"] += len(held)
+            self.ctx.log.info("sampler %s left (%s); re-issuing its %d leases", name, goodbye.reason, len(held))
+        await self._tasks_ep.send(peer, GoodbyeSeen(server_id=self.name, leases_returned=len(held)))
 
     async def _greet(self, peer: bytes, hello: Hello) -> None:
         """Welcome a sampler under its name, or refuse it (``echo2.transport.peers``)."""
@@ -517,6 +555,7 @@ class PromptSource(Actor):
             )
             await self._tasks_ep.send(peer, welcome)
             return
+        self.scheduler.observe_hello(hello.peer_id)
         # A (re)connecting sampler starts with no credit, and whatever it held before a
         # restart (on this connection or the one it replaces) is gone: expire its leases now
         # instead of waiting for their deadlines.
@@ -697,6 +736,7 @@ class PromptSource(Actor):
             answer=prompt.answer,
             meta=msgspec.to_builtins(prompt.meta, enc_hook=str),  # plain values travel; others as text
             prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+            episode_seed=episode_seed(self.job.seed, prompt.task_id) if self.job.multi_turn else 0,
         )
 
     def _may_lease_to(self, peer: bytes) -> bool:
@@ -803,6 +843,8 @@ class PromptSource(Actor):
             max_new_tokens=job.max_new_tokens,
             min_version=self._min_version(),
             token=lease.record.token,
+            episode_seed=record.episode_seed,
+            episode_meta=lease_meta(record, job.episode.lease_fields),
         )
         # Open (and journaled) before it is sent: its group may be looked up as soon as it is.
         self._journal_append(issued)

@@ -28,7 +28,18 @@ A restarted PromptSource knows no names: it answers this sampler's next message 
 ``SayHello``; the sampler says Hello again and re-grants the credits still owed, keeping
 the leases it holds (the PromptSource's journal kept them open).
 
-Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the source.
+Multi-turn jobs (``[job.episode]``, ``echo2.envs``): each lease is G episodes, played
+here to their end (``echo2.envs.play``: the environment runs on this machine, so an
+episode keeps its state, and the result travels as one ``RolloutGroup`` per lease with
+per-turn segments). Newer weights of the same incarnation are installed between turns,
+and each action records the version that sampled it. An episode whose environment raised
+or timed out fails its lease: ``EpisodeFailed`` goes to the Rewarder instead of a group
+(the lease is re-issued, never scored as 0).
+
+Shutdown: on ``stopping`` it finishes nothing new. Leaving a run that goes on (its process
+stopped alone: Ctrl-C, an elastic worker scaled down), it says ``Goodbye`` and waits up to
+``goodbye_timeout_s`` for ``GoodbyeSeen``: the PromptSource re-issues its leases now, not at
+their deadlines. At the end of the run (``RunEnded``) there is nothing to give back.
 """
 
 from __future__ import annotations
@@ -47,10 +58,18 @@ from msgspec import Meta
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
+from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.codec import load_episode_codec
+from echo2.envs.episode import EpisodeCodec, EpisodeLimits
+from echo2.envs.play import OTHER_EPISODE_FAILED, EpisodeRequest, episode_group, play_episodes
 from echo2.errors import ModelMismatch, TransportError
+from echo2.job import JobConfig
 from echo2.messages import (
     INSTALLED_TOPIC,
     NO_VERSION,
+    EpisodeFailed,
+    Goodbye,
+    GoodbyeSeen,
     Hello,
     ModelIdentity,
     PolicyVersion,
@@ -66,6 +85,8 @@ from echo2.messages import (
 )
 from echo2.models.location import is_hf_spec
 from echo2.registry import EngineKind
+from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 from echo2.transport.peers import connection_routing_id
 from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler
@@ -93,6 +114,13 @@ class SamplerConfig(ActorConfig, frozen=True):
     model pays most of its decode cost per engine call, not per sequence. 0: never wait."""
     price_per_hour: Annotated[float, Meta(ge=0)] = 0.0
     """What this worker costs, dollars per hour, for cost-aware activation."""
+    capacity: Annotated[float, Meta(ge=0)] = 0.0
+    """Rollouts per second this worker says it delivers: the activation scheduler's estimate
+    of it until it is measured (0: not declared; the median of the measured ones)."""
+    goodbye_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
+    """Most seconds spent, when leaving a run that goes on, waiting for the PromptSource to
+    acknowledge ``Goodbye`` (its leases re-issued at once); past it they expire at their
+    deadlines. 0: leave without saying Goodbye."""
     uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path (relay forwarding), Mbit/s; 0: uncapped."""
     downlink_mbps: Annotated[float, Meta(ge=0)] = 0.0
@@ -120,6 +148,10 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Repair bytes this sampler may have requested and not yet received."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
+    environment_threads: Annotated[int, Meta(ge=1)] = 64
+    """Worker threads that run environment calls (multi-turn jobs, ``[job.episode]``): a
+    call's timeout runs from its submission, so enough for every episode of a batch
+    (``max_batch_groups`` x G) keeps a slow environment's calls from waiting in a queue."""
 
 
 class Sampler(Actor):
@@ -129,6 +161,12 @@ class Sampler(Actor):
     """It returns only when the PromptSource announces the end of the run (``RunEnded``):
     its process has then nothing left to do, and a remote host's launcher stops."""
     Config = SamplerConfig
+    host_local_fields: ClassVar[frozenset[str]] = frozenset(
+        {"relay_host", "shm_dir", "uplink_mbps", "downlink_mbps", "latency_ms", "manifest_verify_key"}
+    )
+    """Config fields that describe the machine a declared sampler runs on (addresses, paths,
+    emulated links), not the job: a sampler joining with ``python -m echo2.join`` does not
+    take them from the declared one."""
     ports: ClassVar[dict[str, Port]] = {
         "tasks": Port("dealer", bind=False),
         "rollouts": Port("push", bind=False),
@@ -178,6 +216,10 @@ class Sampler(Actor):
             sealed=ctx.sealed_weights,
         )
         self._receiver.open()
+        self._episodes: _Episodes | None = None
+        if self.job.multi_turn:
+            model = str(self.config.engine_kwargs.get("model_dir") or self.job.model)
+            self._episodes = await asyncio.to_thread(_Episodes.load, self.job, model, self.config, self.name)
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
         self._lease_arrived = asyncio.Event()
@@ -188,7 +230,10 @@ class Sampler(Actor):
         self._installed: PolicyVersion | None = None
         self._welcomed = False  # nothing but Hello goes on ``tasks`` before Welcome
         self._run_ended = asyncio.Event()
-        self.counters = dict.fromkeys(("groups_sent", "samples_generated", "tokens_generated", "installs"), 0)
+        self.counters = dict.fromkeys(
+            ("groups_sent", "samples_generated", "tokens_generated", "installs", "episodes_played", "episodes_failed"),
+            0,
+        )
         self.generate_s = 0.0
         self.wait_weights_s = 0.0
 
@@ -270,9 +315,11 @@ class Sampler(Actor):
             weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
             weight_forward_failures=int(received.get("forward_failures", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
+            env_stuck_threads=self._episodes.calls.stuck if self._episodes is not None else 0,
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,
             price_per_hour=self.config.price_per_hour,
+            declared_rollouts_per_s=self.config.capacity,
         )
 
     async def aclose(self) -> None:
@@ -282,6 +329,9 @@ class Sampler(Actor):
         receiver = getattr(self, "_receiver", None)
         if receiver is not None:
             receiver.close()
+        episodes = getattr(self, "_episodes", None)
+        if episodes is not None:
+            episodes.calls.close()
 
     # -- loops -----------------------------------------------------------------------
 
@@ -296,6 +346,27 @@ class Sampler(Actor):
                 self._run_ended, self._receive_leases(), self._receive_weights(), self._generate()
             )
             await until_stopping(self.ctx.stopping, loops)
+            if not self._run_ended.is_set() and self.config.goodbye_timeout_s > 0:
+                await self._say_goodbye()
+
+    async def _say_goodbye(self) -> None:
+        """Leaving a run that goes on: hand the leases held back now (``Goodbye``)."""
+        await self._tasks.send(Goodbye(sampler_id=self.name, reason="its process is stopping"))
+        try:
+            async with asyncio.timeout(self.config.goodbye_timeout_s):  # a gone PromptSource must not hold the drain
+                while True:
+                    message = await self._tasks.recv()
+                    if isinstance(message, GoodbyeSeen):
+                        self.ctx.log.info("left the run: %d lease(s) handed back", message.leases_returned)
+                        return
+                    if isinstance(message, RunEnded):  # the whole run is stopping: nothing to hand back
+                        await self._tasks.send(RunEndedSeen(sampler_id=self.name))
+                        return
+        except TimeoutError:
+            self.ctx.log.warning(
+                "no answer to Goodbye within %g s: the leases held expire at their deadlines",
+                self.config.goodbye_timeout_s,
+            )
 
     async def _receive_leases(self) -> None:
         self._owed += self.config.credits
@@ -419,6 +490,9 @@ class Sampler(Actor):
             await self._generate_batch(batch)
 
     async def _generate_batch(self, batch: list[TaskLease]) -> None:
+        if self._episodes is not None:
+            await self._play_batch(batch, self._episodes)
+            return
         assert self._installed is not None
         made_by = self._installed
         first = batch[0]
@@ -437,6 +511,113 @@ class Sampler(Actor):
             self.counters["tokens_generated"] += int(group.offsets[-1])
         self._owed += len(batch)
         await self._tasks.send(self._work_request(len(batch)))
+
+    async def _play_batch(self, batch: list[TaskLease], episodes: _Episodes) -> None:
+        """Play each lease's G episodes (``echo2.envs.play``), all leases' turns together;
+        send a group per lease, or ``EpisodeFailed`` when its environment failed."""
+        assert self._installed is not None
+        made_by = self._installed
+        first = batch[0]
+        prompt_ids = {lease.lease_id: self.engine.encode_prompt(lease.prompt) for lease in batch}
+        requests = [
+            EpisodeRequest(
+                group=lease.lease_id,
+                prompt=Prompt(task_id=lease.task_id, text=lease.prompt, answer="", meta=dict(lease.episode_meta)),
+                prompt_ids=prompt_ids[lease.lease_id],
+                seed=lease.episode_seed,
+            )
+            for lease in batch
+            for _ in range(lease.group_size)
+        ]
+        generate_s = 0.0
+
+        async def generate(contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
+            nonlocal generate_s
+            started = time.perf_counter()
+            rows = await asyncio.to_thread(self.engine.generate, contexts, 1, params)
+            generate_s += time.perf_counter() - started
+            return [row[0] for row in rows]
+
+        async def between_turns() -> None:
+            # Newer weights of the same incarnation only: one episode's versions are
+            # comparable, and the group names one incarnation.
+            ready = self._ready
+            if ready is not None and ready.key.incarnation == made_by.incarnation:
+                await self._install_ready()
+
+        def version() -> int:
+            assert self._installed is not None
+            return self._installed.version
+
+        played = await play_episodes(
+            requests,
+            factory=episodes.spec.factory,
+            generate=generate,
+            codec=episodes.codec,
+            limits=episodes.limits,
+            calls=episodes.calls,
+            timeout_s=self.job.episode.turn_timeout_s,
+            temperature=first.temperature,
+            top_p=first.top_p,
+            version=version,
+            between_turns=between_turns,
+        )
+        self.generate_s += generate_s
+        for p in played:
+            if p.close_error:
+                self.ctx.log.warning("an environment's close() failed (%s)", p.close_error)
+        by_lease = {lease.lease_id: [p for p in played if p.request.group == lease.lease_id] for lease in batch}
+        for lease in batch:
+            results = by_lease[lease.lease_id]
+            failures = [p.failure for p in results if p.failure is not None]
+            if failures:
+                failure = next((f for f in failures if f.detail != OTHER_EPISODE_FAILED), failures[0])
+                self.counters["episodes_failed"] += 1
+                self.ctx.log.warning(
+                    "task %s: an episode failed (%s: %s)", lease.task_id, failure.reason, failure.detail
+                )
+                await self._rollouts.send(
+                    EpisodeFailed(
+                        lease_id=lease.lease_id,
+                        task_id=lease.task_id,
+                        attempt=lease.attempt,
+                        sampler_id=self.name,
+                        lease_token=lease.token,
+                        reason=failure.reason,
+                        detail=failure.detail[:200],
+                    )
+                )
+                continue
+            group = episode_group(
+                lease,
+                self.name,
+                made_by.incarnation,
+                prompt_ids[lease.lease_id],
+                [p.episode for p in results],
+                episodes.codec,
+                generate_s,
+            )
+            await self._rollouts.send(group)
+            self.ctx.ledger(ledger.Submitted(task=lease.task_id, lease=lease.lease_id, version=group.version))
+            self.counters["groups_sent"] += 1
+            self.counters["episodes_played"] += len(results)
+            self.counters["samples_generated"] += len(results)
+            self.counters["tokens_generated"] += int(group.loss_mask().sum())
+        self._owed += len(batch)
+        await self._tasks.send(self._work_request(len(batch)))
+
+
+class _Episodes:
+    """What a Sampler of a multi-turn job plays with (``echo2.envs``)."""
+
+    def __init__(self, spec: EnvironmentSpec, codec: EpisodeCodec, limits: EpisodeLimits, calls: TimedCalls):
+        self.spec, self.codec, self.limits, self.calls = spec, codec, limits, calls
+
+    @classmethod
+    def load(cls, job: JobConfig, model: str, config: SamplerConfig, name: str) -> _Episodes:
+        spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
+        calls = TimedCalls(config.environment_threads, name=f"{name}-env")
+        return cls(spec, load_episode_codec(model, job.prompt_format), EpisodeLimits.of_job(job), calls)
 
 
 def check_model(expected: ModelIdentity, served: ModelIdentity | None) -> None:

@@ -7,9 +7,11 @@ the two sides and the tests agree.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import signal
 from pathlib import Path
+from typing import NoReturn
 
 OK = 0
 FAILED = 1
@@ -50,3 +52,15 @@ def cannot_write(path: Path | str, exc: OSError) -> str:
     """One line for a write that failed: ``cannot write PATH: No space left on device (ENOSPC)``."""
     code = errno.errorcode.get(exc.errno or 0)
     return f"cannot write {path}: {exc.strerror or exc}" + (f" ({code})" if code else "")
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit ``BAD_CONFIG``."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise ``UsageError`` (one line, exit 2) instead of printing the
+    usage and exiting itself, so that every echo2 command reports a bad option alike."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)

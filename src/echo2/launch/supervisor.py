@@ -4,7 +4,10 @@
 
     python -m echo2.launch TOPOLOGY.toml [--set path=value]... [--run-dir DIR] [--host NAME] [--dry-run]
                            [--resume RUN_DIR [--allow-changes]]
+    python -m echo2.launch TOPOLOGY.toml --emit slurm|k8s --out DIR [--set path=value]... [--image IMAGE]
 
+* ``--emit slurm|k8s --out DIR`` starts nothing: it writes what starts the same run on a
+  cluster, an sbatch script or Kubernetes manifests (``echo2.launch.emit``).
 * A bad topology or option prints one line, ``TOPOLOGY.toml: <field path>: <problem>``, and
   exits 2.
 * The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
@@ -16,12 +19,20 @@
   line to ``resumes.jsonl`` (its time and the changes allowed) and writes its topology to
   ``resumes/N.topology.resolved.json``; the first launch's ``topology.resolved.json`` is
   never rewritten.
+* With ``[hosts.NAME] join_port = P`` the launcher of that host answers ``python -m
+  echo2.join`` on P (``echo2.launch.join_server``): samplers outside the topology join.
+* ``address = "env:VAR"`` in ``[hosts]`` is read from this launcher's environment as it
+  starts (``--emit`` leaves it as written, for the cluster to fill in).
 * With ``[hosts.NAME] metrics_port = P`` the launcher serves its host's ``/health`` and
   ``/metrics`` on P, from probing each of its processes' own (on P+1.., name order), so a
   process that is stopped or stuck, and cannot answer for itself, is reported not ready
   within one heartbeat timeout (``echo2.observe``, ``docs/metrics.md``).
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
-  its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
+  its own session (one holding a distributed actor runs under torchrun instead: ``python -m
+  torch.distributed.run ... -m echo2.launch.torchrun ...``, ``nproc_per_node`` ranks, node rank
+  = this host's place in ``node_hosts``; ``echo2.launch.torchrun``), with
+  ``CUDA_VISIBLE_DEVICES`` set from its ``gpus`` (``echo2.topology.devices``; GPUs asked for and
+  absent are a bad topology) (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
 * Exit codes (``echo2.launch.exits``): 0 when the run completed (a ``completes_run`` actor's
   process exited 0, or every process exited 0); 1 when a process failed or the run directory
@@ -51,19 +62,23 @@ import ctypes.util
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import msgspec
 
-from echo2.errors import ConfigError, one_line
+from echo2.errors import ConfigError, TransportError, one_line
 from echo2.launch import exits
+from echo2.launch.emit import EMIT_KINDS, emit
+from echo2.launch.join_server import JoinServer
+from echo2.launch.torchrun import torchrun_args
 from echo2.observe.health import ProcessWatch, health_routes
 from echo2.observe.http import ServeError, serve
 from echo2.observe.metrics import exposition, launcher_families
@@ -76,7 +91,11 @@ from echo2.topology import (
     resolve,
 )
 from echo2.topology.changes import topology_changes
+from echo2.topology.devices import VISIBLE_ENV, HostGPUs, probe_host_gpus
 from echo2.topology.preflight import check_before_launch
+from echo2.topology.schema import resolve_env_addresses
+from echo2.transport import Transport
+from echo2.transport.auth import CurveSettings
 
 KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
@@ -89,17 +108,8 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # -- command line --------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> exits.OneLineParser:
+    parser = exits.OneLineParser(
         prog="python -m echo2.launch",
         description="Run an echo2 topology: one OS process per process group of this host.",
     )
@@ -130,6 +140,15 @@ def _parser() -> _Parser:
         action="store_true",
         help="validate and print the resolved topology; start nothing",
     )
+    parser.add_argument(
+        "--emit",
+        choices=EMIT_KINDS,
+        help="write what starts this run on a cluster (an sbatch script, Kubernetes manifests) into --out; start nothing",
+    )
+    parser.add_argument("--out", type=Path, help="with --emit: the directory to write into")
+    parser.add_argument(
+        "--image", default="echo2:latest", help="with --emit k8s: the container image with echo2 installed"
+    )
     return parser
 
 
@@ -139,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
+    except exits.UsageError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
@@ -147,13 +166,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.allow_changes and args.resume is None:
         print(f"{parser.prog}: --allow-changes: only with --resume", file=sys.stderr)
         return exits.BAD_CONFIG
+    if args.emit is not None:
+        return _emit(parser.prog, args)
+    if args.out is not None:
+        print(f"{parser.prog}: --out: only with --emit", file=sys.stderr)
+        return exits.BAD_CONFIG
     source = args.topology
     try:
         topology = load_topology(source, args.overrides)
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
+        topology = resolve_env_addresses(topology, os.environ)
         names = select_processes(topology, args.host)
-        notes = check_before_launch(topology, names)
+        ranks = node_ranks(topology, args.host)
+        host_gpus = _host_gpus(topology, names)
+        followers = [name for name in names if ranks.get(name, 0) > 0]
+        notes = check_before_launch(topology, names, followers=followers, host_gpus=host_gpus)
     except ConfigError as exc:
         print(f"{source}: {one_line(exc)}", file=sys.stderr)  # one line, whatever it quotes
         return exits.BAD_CONFIG
@@ -163,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         run_id = new_run_id(topology.run.name)
         resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
-        sys.stdout.write(_banner(resolved, names, {}))
+        sys.stdout.write(_banner(resolved, names, {}, ranks))
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
 
@@ -204,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
             return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
-    launcher = Launcher(resolved, resolved_path, names, completes)
+    launcher = Launcher(resolved, resolved_path, names, completes, node_ranks=ranks, host_gpus=host_gpus)
     try:
         return asyncio.run(launcher.run())
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
@@ -216,6 +244,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
+
+
+def _emit(prog: str, args: argparse.Namespace) -> int:
+    """``--emit``: check what can be checked away from the cluster, write the files."""
+    conflicting = [
+        flag
+        for flag, given in (
+            ("--host", args.host),
+            ("--resume", args.resume),
+            ("--dry-run", args.dry_run),
+            ("--run-dir", args.run_dir),
+        )
+        if given
+    ]
+    if conflicting or args.out is None:
+        problem = f"{conflicting[0]}: not with --emit" if conflicting else "--emit needs --out DIR"
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    try:
+        topology = load_topology(args.topology, args.overrides)
+        written = emit(
+            topology, kind=args.emit, source=args.topology, overrides=args.overrides, out=args.out, image=args.image
+        )
+    except ConfigError as exc:
+        print(f"{args.topology}: {one_line(exc)}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    except OSError as exc:
+        print(f"{prog}: --out: {exits.cannot_write(Path(exc.filename or args.out), exc)}", file=sys.stderr)
+        return exits.FAILED
+    for path in written:
+        print(f"echo2: wrote {path}")
+    return exits.OK
 
 
 class _ResumeRefused(Exception):
@@ -261,7 +321,38 @@ def _record_resume(run: RunDir, resolved: ResolvedTopology, *, allow_changes: bo
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:
-    """Processes this launcher starts: ``--host``'s, else those of hosts that are this machine."""
+    """Processes this launcher starts: ``--host``'s, else those of hosts that are this machine
+    (a multi-node process on each host of its ``node_hosts``)."""
+    hosts = served_hosts(topology, host)
+    names = [name for name, spec in topology.processes.items() if spec.host in hosts or hosts & set(spec.node_hosts)]
+    if not names:
+        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
+    return names
+
+
+def node_ranks(topology: Topology, host: str | None) -> dict[str, int]:
+    """The node rank this launcher starts of each multi-node process it runs (others: 0).
+
+    ``ConfigError`` when it serves two nodes of one process (two hosts on one machine): each
+    node needs its own launcher, ``--host``."""
+    hosts = served_hosts(topology, host)
+    ranks: dict[str, int] = {}
+    for name, spec in topology.processes.items():
+        mine = [rank for rank, node in enumerate(spec.node_hosts) if node in hosts]
+        if len(mine) > 1:
+            both = ", ".join(spec.node_hosts[r] for r in mine)
+            raise ConfigError(
+                f"hosts {both} are nodes of one process and all this launcher's; start one launcher per node "
+                "with --host",
+                path=f"processes.{name}.node_hosts",
+            )
+        if mine:
+            ranks[name] = mine[0]
+    return ranks
+
+
+def served_hosts(topology: Topology, host: str | None) -> set[str]:
+    """The hosts this launcher runs: ``--host``, the only one, or those that are this machine."""
     if host is not None:
         if host not in topology.hosts:
             known = ", ".join(sorted(topology.hosts))
@@ -273,10 +364,17 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
         hosts = {name for name, spec in topology.hosts.items() if is_local_address(spec.address)}
         if not hosts:
             raise ConfigError("no host of the topology is this machine; choose one", path="--host")
-    names = [name for name, spec in topology.processes.items() if spec.host in hosts]
-    if not names:
-        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
-    return names
+    return hosts
+
+
+def _host_gpus(topology: Topology, names: Sequence[str]) -> HostGPUs | None:
+    """This machine's GPUs when a process it starts asks for some (``nvidia-smi`` takes a while)."""
+    if not any(topology.processes[name].gpus for name in names):
+        return None
+    try:
+        return probe_host_gpus()
+    except ValueError as exc:
+        raise ConfigError(str(exc), path="gpus") from None
 
 
 def _replace_struct(struct: Any, **changes: Any) -> Any:
@@ -287,7 +385,9 @@ def _to_json(resolved: ResolvedTopology) -> str:
     return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
 
 
-def _banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int]) -> str:
+def _banner(
+    resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], ranks: Mapping[str, int] | None = None
+) -> str:
     lines = [f"echo2: run {resolved.run_id} in {resolved.run_dir}"]
     width = max((len(n) for n in names), default=0)
     for name in names:
@@ -295,7 +395,15 @@ def _banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, in
         threads = str(spec.torch_threads) if spec.torch_threads else "-"
         pid = f"pid {pids[name]:<7} " if name in pids else ""
         actors = ", ".join(f"{a.name} ({a.kind})" for a in spec.actors)
-        lines.append(f"echo2:   {name:<{width}}  {pid}host {spec.host}  torch threads {threads}  actors: {actors}")
+        placement = f"host {spec.host}"
+        if spec.torchrun:
+            node = (ranks or {}).get(name, 0)
+            placement = f"host {spec.node_hosts[node] if spec.node_hosts else spec.host}  torchrun {spec.nproc_per_node} rank(s)"
+            if spec.nnodes > 1:
+                placement += f" x {spec.nnodes} nodes (node {node})"
+        if spec.gpus:
+            placement += f"  gpus {','.join(map(str, spec.gpus))}"
+        lines.append(f"echo2:   {name:<{width}}  {pid}{placement}  torch threads {threads}  actors: {actors}")
     return "".join(f"{line}\n" for line in lines)
 
 
@@ -342,6 +450,8 @@ class Launcher:
         *,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        node_ranks: Mapping[str, int] | None = None,
+        host_gpus: HostGPUs | None = None,
     ) -> None:
         self.resolved = resolved
         self.resolved_path = resolved_path
@@ -351,6 +461,10 @@ class Launcher:
         self.completes_run = completes_run
         self.out = out or sys.stdout
         self.err = err or sys.stderr
+        self.node_ranks = dict(node_ranks or {})
+        """Node rank of each multi-node process this launcher starts (others: 0)."""
+        self.host_gpus = host_gpus
+        """This machine's GPUs, probed when a process asks for some (``_host_gpus``)."""
         self.status = 0
         self.reason = "all processes finished"
         self._started_at = time.time()
@@ -382,6 +496,7 @@ class Launcher:
         try:
             async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as servers:
                 watchers = await self._serve_health(group, servers)
+                watchers += self._serve_joins(group, servers)
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
@@ -446,6 +561,35 @@ class Launcher:
             watchers.append(group.create_task(watch.run(), name=f"health:{host}"))
         return watchers
 
+    def _serve_joins(self, group: asyncio.TaskGroup, servers: contextlib.AsyncExitStack) -> list[asyncio.Task[None]]:
+        """Answer ``python -m echo2.join`` when this launcher's host has the join port."""
+        joined = self.resolved.joined
+        if (
+            joined is None
+            or self.shutting_down
+            or joined.host not in {self.resolved.processes[n].host for n in self.names}
+        ):
+            return []
+        where = f"hosts.{joined.host}.join_port"
+        security = self.resolved.security
+        try:
+            curve = (
+                CurveSettings.load(security.keys_dir, joined.host, self.resolved.hosts, security.allowed)
+                if security.curve
+                else None
+            )
+            server = JoinServer(self.resolved, curve=curve, stopping=lambda: self.shutting_down)
+            transport = Transport()
+            servers.callback(transport.close)
+            endpoint = server.open(transport)
+        except (ConfigError, TransportError) as exc:
+            self.say(f"{where}: {one_line(exc)}", error=True)
+            self._begin_shutdown(f"{where}: cannot answer joins", exits.FAILED)
+            return []
+        address = self.resolved.hosts[joined.host].address
+        self.say(f"samplers join this run with: python -m echo2.join {address}:{server.port}")
+        return [group.create_task(server.serve(endpoint), name="join")]
+
     def _live_pids(self) -> dict[str, int | None]:
         return {c.name: c.proc.pid if c.alive and c.proc is not None else None for c in self.children}
 
@@ -475,7 +619,8 @@ class Launcher:
             assert child.proc is not None  # _spawn set it
             pids[name] = child.proc.pid
         self._write_pids()
-        self._to_terminal(self.out, _banner(self.resolved, [c.name for c in self.children if c.proc], pids))
+        started = [c.name for c in self.children if c.proc]
+        self._to_terminal(self.out, _banner(self.resolved, started, pids, self.node_ranks))
         self.say(
             f"started {len(pids)} process(es); logs in {self.layout.logs_dir}; Ctrl-C stops, a second Ctrl-C kills"
         )
@@ -488,17 +633,11 @@ class Launcher:
         child.returncode = None
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "echo2.launch.child",
-                "--topology",
-                str(self.resolved_path),
-                "--process",
-                name,
+                *self._command(child),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=self._child_env(child),
+                env=self._child_env(child) | self._placement_env(child),
                 start_new_session=True,
                 preexec_fn=self._child_preexec(),
             )
@@ -553,6 +692,28 @@ class Launcher:
         self._storage_errors.add(message)
         self.say(message, error=True)
         self._begin_shutdown(message, exits.FAILED)
+
+    def _command(self, child: Child) -> list[str]:
+        """The child's command line: ``echo2.launch.child``, or torchrun's agent for its ranks."""
+        spec = self.resolved.processes[child.name]
+        entry = ["-m", "echo2.launch.child"]
+        if spec.torchrun:
+            log_dir = self.layout.logs_dir / f"{child.name}.torchrun"
+            entry = torchrun_args(spec, node_rank=self.node_ranks.get(child.name, 0), log_dir=log_dir)
+        return [sys.executable, *entry, "--topology", str(self.resolved_path), "--process", child.name]
+
+    def _placement_env(self, child: Child) -> dict[str, str]:
+        """What the child's place in the topology adds to its environment: its GPUs, torchrun's."""
+        env = {}
+        spec = self.resolved.processes[child.name]
+        if spec.gpus:
+            assert self.host_gpus is not None  # probed and checked at load (main)
+            env[VISIBLE_ENV] = self.host_gpus.visible(spec.gpus)
+        if spec.torchrun:
+            # The agent forwards our SIGTERM to the ranks and kills them after this long, no
+            # sooner than we would kill it (torch versions that lack it wait a fixed 30 s).
+            env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(math.ceil(self.resolved.run.drain_timeout_s + KILL_GRACE_S))
+        return env
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)

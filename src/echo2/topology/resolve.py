@@ -18,8 +18,16 @@ from echo2.actor import Actor, PortAddresses, default_cpu_count
 from echo2.actors import load_actor_class
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
-from echo2.topology.addresses import derive_addresses
-from echo2.topology.schema import HostSpec, RestartPolicy, RunSpec, SecuritySpec, Topology, placements
+from echo2.topology.addresses import Addresses, topology_addresses
+from echo2.topology.schema import (
+    JOINED_SAMPLER,
+    HostSpec,
+    RestartPolicy,
+    RunSpec,
+    SecuritySpec,
+    Topology,
+    join_host,
+)
 from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.topology")
@@ -30,7 +38,8 @@ def torch_threads(topology: Topology) -> dict[str, int]:
 
     A process with ``torch_threads = 0`` gets ``max(1, floor(cores * w / W))`` where ``w``
     is the sum of its actors' ``torch_weight`` and ``W`` the sum over the host's automatic
-    processes; ``w == 0`` gives 0 (the runtime leaves torch alone).
+    processes; ``w == 0`` gives 0 (the runtime leaves torch alone). Under torchrun the value
+    is per rank: an automatic share is divided among the ``nproc_per_node`` ranks.
     """
     weights = {name: sum(a.cls.torch_weight(a.config) for a in topology.actors_in(name)) for name in topology.processes}
     threads: dict[str, int] = {}
@@ -48,8 +57,8 @@ def torch_threads(topology: Topology) -> dict[str, int]:
             elif weights[p] <= 0:
                 threads[p] = 0
             else:
-                threads[p] = max(1, int(cores * weights[p] / total))
-        used = sum(threads[p] for p in members)
+                threads[p] = max(1, int(cores * weights[p] / total / topology.processes[p].nproc_per_node))
+        used = sum(threads[p] * topology.processes[p].nproc_per_node for p in members)
         if used > cores:
             log.warning(
                 "host %s: processes use %d torch threads on %d cores (%s)",
@@ -96,6 +105,18 @@ class ResolvedProcess(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``ProcessSpec.restart_backoff_s``: seconds before the first restart."""
     metrics_port: int = 0
     """Port of this process's ``/metrics`` and ``/health`` (0: off; ``HostSpec.metrics_port``)."""
+    torchrun: bool = False
+    """Started under torchrun (it holds a distributed actor; ``echo2.launch.torchrun``)."""
+    nproc_per_node: int = 1
+    """``ProcessSpec.nproc_per_node``: ranks per node under torchrun."""
+    nnodes: int = 1
+    """``ProcessSpec.nnodes``."""
+    node_hosts: list[str] = []
+    """``ProcessSpec.node_hosts``: the host of each node rank (empty: one node, ``host``)."""
+    rdzv_endpoint: str = ""
+    """``ProcessSpec.rdzv_endpoint`` (empty: a free local port, one node)."""
+    gpus: list[int] = []
+    """``ProcessSpec.gpus``: indices among the GPUs its host's launcher sees."""
 
 
 class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -116,6 +137,10 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
     tcp_ports: dict[str, int] = {}
     """``"actor.port"`` -> tcp port, for endpoints reached from other hosts."""
+    joined: ResolvedProcess | None = None
+    """With a ``join_port``: what a sampler joining with ``python -m echo2.join`` gets (its
+    ``host`` is the host that answers joins; its one actor, ``JOINED_SAMPLER``, carries the
+    first declared sampler's config and the stand-in's addresses)."""
 
     @classmethod
     def load(cls, path: str | Path) -> ResolvedTopology:
@@ -135,7 +160,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = derive_addresses(placements(topology), topology.hosts, run_id, curve=topology.security.curve)
+    addresses = topology_addresses(topology, run_id, run_dir)
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
@@ -160,6 +185,12 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             max_restarts=spec.max_restarts,
             restart_backoff_s=spec.restart_backoff_s,
             metrics_port=addresses.metrics_ports.get(proc_name, 0),
+            torchrun=any(a.cls.torchrun for a in topology.actors_in(proc_name)),
+            nproc_per_node=spec.nproc_per_node,
+            nnodes=spec.nnodes,
+            node_hosts=list(spec.node_hosts),
+            rdzv_endpoint=spec.rdzv_endpoint,
+            gpus=list(spec.gpus),
         )
     return ResolvedTopology(
         run=topology.run,
@@ -171,6 +202,30 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
         ipc_dir=addresses.ipc_dir,
         security=topology.security,
         tcp_ports={f"{actor}.{port}": n for (actor, port), n in sorted(addresses.tcp_ports.items())},
+        joined=_joined(topology, addresses),
+    )
+
+
+def _joined(topology: Topology, addresses: Addresses) -> ResolvedProcess | None:
+    """What joined samplers get: the stand-in's addresses, and the portable part of the first
+    declared sampler's config (by name; none declared: the defaults)."""
+    serving = join_host(topology)
+    if serving is None:
+        return None
+    sampler = load_actor_class("sampler")
+    declared = sorted((a for a in topology.actors.values() if issubclass(a.cls, sampler)), key=lambda a: a.name)
+    template = dict(declared[0].raw_config) if declared else {}
+    local_fields: frozenset[str] = getattr(declared[0].cls if declared else sampler, "host_local_fields", frozenset())
+    config = {key: value for key, value in template.items() if key not in local_fields}
+    telemetry = addresses.telemetry.get(JOINED_SAMPLER, ())
+    return ResolvedProcess(
+        host=serving,
+        torch_threads=0,
+        actors=[
+            ResolvedActor(name=JOINED_SAMPLER, kind="sampler", config=config, ports=addresses.ports[JOINED_SAMPLER])
+        ],
+        telemetry_connect=list(telemetry),
+        telemetry_curve_servers=[addresses.curve_hosts.get(url, "") for url in telemetry],
     )
 
 
