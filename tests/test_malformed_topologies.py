@@ -148,6 +148,34 @@ CASES = [
         "> 0.0",
     ),
     ("staleness-negative", sub("staleness = 2", "staleness = -1"), "job.staleness", ">= 0"),
+    # LoRA (issue 16): the table's fields, the targets against the model, and the engines
+    ("lora-rank-zero", sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 0 },"), "actors.learner.config.lora.rank", ">= 1"),
+    (
+        "lora-unknown-field",
+        sub("lr = 3e-4,", "lr = 3e-4, lora = { rnak = 8 },"),
+        "actors.learner.config.lora.rnak",
+        "unknown field",
+    ),
+    (
+        "lora-target-not-in-model",
+        sub("lr = 3e-4,", 'lr = 3e-4, lora = { target_modules = ["q_proj"] },'),
+        "actors.learner.config.lora.target_modules",
+        "name no linear module",
+    ),
+    (
+        "lora-and-simulated-training",
+        sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 4 }, simulated_train_s = 0.1,"),
+        "actors.learner.config",
+        "simulated_train_s trains nothing",
+    ),
+    (
+        "lora-vllm-without-max-lora-rank",
+        lambda text: sampler('engine = "vllm", credits = 4')(
+            sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 4 },")(text)
+        ),
+        "actors.sampler.config.engine_kwargs.max_lora_rank",
+        "max_lora_rank >= 4",
+    ),
     ("groups-per-step-zero", sub("groups_per_step = 4", "groups_per_step = 0"), "job.groups_per_step", ">= 1"),
     ("top-p-above-one", job("top_p = 1.5"), "job.top_p", "<= 1"),
     ("temperature-zero", job("temperature = 0.0"), "job.temperature", "> 0"),

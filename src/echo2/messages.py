@@ -884,6 +884,16 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+class LoraAdapter(msgspec.Struct, frozen=True):
+    """A version that is a LoRA adapter on the base model every member already serves
+    (``echo2.models.adapters``): its tensors are ``<module>.lora_A.weight`` (rank x in)
+    and ``<module>.lora_B.weight`` (out x rank) per adapted linear module, and the module's
+    output becomes ``base(x) + alpha / rank * B(A(x))``."""
+
+    rank: int
+    alpha: float
+
+
 class Snapshot(Message, _Versioned, frozen=True):
     """Learner -> WeightPublisher: an immutable copy of the policy, flat, with its layout.
 
@@ -896,6 +906,9 @@ class Snapshot(Message, _Versioned, frozen=True):
     tensors: list[TensorSpec]
     data: np.ndarray  # uint8 (total_bytes,)
     created_at_s: float
+    adapter: LoraAdapter | None = None
+    """Set: ``tensors`` are LoRA adapter weights on the job's base model, not the policy's
+    full state (``echo2.models.adapters``)."""
 
 
 class WeightDelta(msgspec.Struct, frozen=True):
@@ -910,11 +923,14 @@ class WeightDelta(msgspec.Struct, frozen=True):
     total_bytes: int
     """Payload bytes (what is chunked, relayed and repaired)."""
     chunk_digests: list[bytes]
-    """One per ``chunk_bytes`` of payload, in the manifest's ``digest_algorithm``."""
+    """One per chunk of payload (``chunk_bytes``), in the manifest's ``digest_algorithm``."""
     digest: bytes
     """Over the concatenated payload chunk digests (signed with the manifest)."""
     changed_fraction: float = 0.0
     """Elements whose bit pattern differs from the base (telemetry)."""
+    chunk_bytes: int = 0
+    """Payload bytes per chunk (0: the manifest's ``chunk_bytes``); a small payload travels
+    in smaller chunks than the state, so that its rebuild overlaps its arrival."""
 
 
 class WeightManifest(Message, _Versioned, frozen=True):
@@ -941,6 +957,12 @@ class WeightManifest(Message, _Versioned, frozen=True):
     delta: WeightDelta | None = None
     """Set: this version's chunks are a delta payload against a base (``WeightDelta``);
     None: its chunks are the state itself (a dense version)."""
+    delta_base: bool = False
+    """The publisher codes later versions against this one (delta versions are on): a
+    member keeps the state as its delta base. False: it need not keep a copy."""
+    adapter: LoraAdapter | None = None
+    """Set: the state is a LoRA adapter on the base model (``LoraAdapter``), installed as
+    one (``Engine.install_adapter``); None: the policy's full weights."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):

@@ -70,6 +70,7 @@ from echo2.messages import (
     ScoredGroup,
     Snapshot,
 )
+from echo2.models.adapters import LoraConfig
 from echo2.rl import DEFAULT_MICROBATCH_TOKENS, LossName, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
@@ -185,8 +186,14 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
     (the batch is still consumed and accounted: staleness, rewards). For capacity and
     scheduling benchmarks, where a stable T_train matters and the model does not."""
+    lora: LoraConfig | None = None
+    """LoRA training (``echo2.models.adapters``): ``{rank, alpha, target_modules, dropout}``
+    trains low-rank adapters on the frozen base model and publishes only them (a version is
+    the adapter's bytes); unset: every weight is trained and published."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.simulated_train_s > 0:
+            raise ValueError("lora trains adapters; simulated_train_s trains nothing: set one of them")
         if self.eval_samples and self.eval_samples < self.eval_pass_at_k:
             raise ValueError(
                 f"eval_samples ({self.eval_samples}) must be >= eval_pass_at_k ({self.eval_pass_at_k}): "
@@ -296,6 +303,7 @@ class Learner(Actor):
     # -- main loop -------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._record_lora()
         self.evals.append(await asyncio.to_thread(self.evaluate))
         self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
         await self._publish_metrics(None, self.evals[-1])
@@ -384,8 +392,24 @@ class Learner(Actor):
             if isinstance(message, Batch):
                 return message
 
+    def _record_lora(self) -> None:
+        """A LoRA run's ``lora`` record: the adapter its versions carry against the full
+        state a run without LoRA would publish (``python -m echo2.plan`` compares them)."""
+        from echo2.models.hf import unique_state
+        from echo2.training.lora import LoraTrainer
+
+        if not isinstance(self.trainer, LoraTrainer):
+            return
+        state = unique_state(self.policy.core)
+        adapter = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
+        model = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
+        lora = self.trainer.adapter
+        self.ctx.record("lora", rank=lora.rank, alpha=lora.alpha, adapter_bytes=adapter, model_bytes=model)
+
     async def _publish(self) -> None:
-        tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16
+        from echo2.training.lora import LoraTrainer
+
+        tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16; a LoRA run's adapters
         specs, flat = flatten_tensors(tensors)  # a fresh buffer: never mutated after this
         self.published_version, self.published_at_s = self.version, time.time()
         await self._snapshots.send(
@@ -395,6 +419,7 @@ class Learner(Actor):
                 tensors=specs,
                 data=flat,
                 created_at_s=time.time(),
+                adapter=self.trainer.adapter if isinstance(self.trainer, LoraTrainer) else None,
             )
         )
 
@@ -707,7 +732,7 @@ def build_trainer(job: JobConfig, config: LearnerConfig) -> Trainer:
 
     # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
     policy = load_policy(job.model, dtype=config.model_dtype, device=config.device, prompt_format=job.prompt_format)
-    return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s)
+    return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s, lora=config.lora)
 
 
 def _mean(values: deque[float]) -> float:

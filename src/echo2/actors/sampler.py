@@ -191,6 +191,9 @@ class Sampler(Actor):
                 kwargs["prompt_format"] = self.job.prompt_format
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
+        if kind == "vllm":
+            # A LoRA run's rollouts in flight finish under their own adapter version.
+            kwargs.setdefault("resident_adapters", self.job.staleness + 1)
         self._engine_thread = EngineThread(self.name)
         self.engine: Engine = await self._engine_thread.call(make_engine, kind, **kwargs)
         # One routing id per connection (never the bare name: echo2.transport.peers).
@@ -421,7 +424,11 @@ class Sampler(Actor):
             return
         started = time.perf_counter()
         installed = ready.key
-        await self._engine_thread.call(self.engine.install_weights, ready.tensors(), installed.version)
+        adapter = ready.manifest.adapter  # a LoRA run's versions are adapters on the base model
+        if adapter is not None:
+            await self._engine_thread.call(self.engine.install_adapter, ready.tensors(), adapter, installed.version)
+        else:
+            await self._engine_thread.call(self.engine.install_weights, ready.tensors(), installed.version)
         self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1

@@ -16,7 +16,8 @@ Contract:
 - ``token_ids`` include the final EOS when ``finish_reason == "eos"``; ``text`` does not.
 - ``install_weights`` is atomic: after it returns the engine serves the new version, and
   when it raises (ValueError for a layout mismatch) nothing changed. It may be called from
-  another thread; it then waits for a running ``generate`` to finish.
+  another thread; it then waits for a running ``generate`` to finish. ``install_adapter``
+  is the same for a version that is a LoRA adapter on the base model (a LoRA run).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from echo2.messages import ModelIdentity
+from echo2.messages import LoraAdapter, ModelIdentity
 from echo2.registry import ENGINES, EngineKind
 
 FINISH_EOS = "eos"
@@ -86,6 +87,13 @@ def validate_weights(tensors: Mapping[str, np.ndarray], layout: TensorLayout) ->
             raise ValueError(f"weight {name!r} is {got_dtype}{list(got_shape)}, the model expects {dtype}{list(shape)}")
 
 
+def check_no_adapter(adapter: object | None) -> None:
+    """``install_weights`` of an engine that serves a LoRA adapter: a full state does not fit
+    its adapted modules (a run publishes adapters or full states, never both)."""
+    if adapter is not None:
+        raise ValueError("this engine serves LoRA adapters (install_adapter); a full state cannot be installed")
+
+
 class Engine(ABC):
     """A policy that generates completions; see the module docstring for the contract."""
 
@@ -109,6 +117,12 @@ class Engine(ABC):
     @abstractmethod
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         """Atomically replace all weights and set ``version``; ValueError leaves both unchanged."""
+
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
+        """Atomically make the LoRA adapter ``tensors`` (``echo2.models.adapters``) the one
+        served on the base model and set ``version``; ValueError leaves both unchanged.
+        Its cost must not grow with the base model (no merge)."""
+        raise ValueError(f"the {type(self).__name__} does not serve LoRA adapters")
 
     @abstractmethod
     def state_layout(self) -> TensorLayout:

@@ -50,6 +50,7 @@ from echo2.actors.weight_publisher import WeightPublisherConfig
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError, one_line
 from echo2.job import JobConfig, PromptFormat
+from echo2.models.adapters import LoraConfig, check_targets
 from echo2.models.location import is_hf_spec, load_prompt_tokenizer, locate_model
 from echo2.observe.writers import check_writers_available
 from echo2.registry import ENGINES
@@ -150,6 +151,8 @@ def check_relations(topology: Topology) -> None:
                 f"{config.mask_high:g} is not above mask_low = {config.mask_low:g}: the masked-IS band is empty",
                 path=f"{where}.mask_high",
             )
+        if isinstance(config, LearnerConfig) and config.lora is not None:
+            _check_lora(topology, actor, config.lora)
         if isinstance(config, PromptSourceConfig):
             if 0 < config.max_inflight_groups < job.groups_per_step:
                 raise ConfigError(
@@ -160,6 +163,26 @@ def check_relations(topology: Topology) -> None:
                 raise ConfigError(
                     f"{config.max_tasks} tasks are fewer than {batch}: no step could be trained",
                     path=f"{where}.max_tasks",
+                )
+
+
+def _check_lora(topology: Topology, learner: PlacedActor, lora: LoraConfig) -> None:
+    """A LoRA learner trains on one process, and every vLLM sampler must be able to load its
+    adapters (vLLM fixes the largest rank when it starts)."""
+    if learner.cls.kind != "learner":
+        raise ConfigError(
+            f"LoRA training runs on the single-process learner, not on kind {learner.kind!r}",
+            path=f"actors.{learner.spec}.config.lora",
+        )
+    for actor in topology.actors.values():
+        config = actor.config
+        if isinstance(config, SamplerConfig) and config.engine == "vllm":
+            rank = config.engine_kwargs.get("max_lora_rank", 0)
+            if not isinstance(rank, int) or rank < lora.rank:
+                raise ConfigError(
+                    f"the learner trains LoRA adapters of rank {lora.rank} (actors.{learner.spec}.config.lora.rank): "
+                    f"the vllm engine must start with max_lora_rank >= {lora.rank}, got {rank!r}",
+                    path=f"actors.{actor.spec}.config.engine_kwargs.max_lora_rank",
                 )
 
 
@@ -175,6 +198,11 @@ def _check_on_this_host(actor: PlacedActor, job: JobConfig) -> None:
             _with_path(f"{where}.manifest_verify_key", ManifestVerifier, config.manifest_verify_key)
     elif isinstance(config, LearnerConfig):
         _check_model(job.model, "job.model")
+        if config.lora is not None:
+            try:
+                check_targets(job.model, config.lora)
+            except ValueError as exc:
+                raise ConfigError(one_line(exc), path=f"{where}.lora.target_modules") from None
     elif isinstance(config, WeightPublisherConfig):
         if config.shm_dir:
             _check_directory(config.shm_dir, f"{where}.shm_dir")

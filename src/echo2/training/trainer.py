@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from echo2.models.adapters import LoraConfig
 from echo2.models.policy import Policy
 from echo2.rl.step import WHOLE_BATCH, Share, StepSettings, StepStats, TrainingRows, optimiser_step
 
@@ -77,8 +78,10 @@ def load_weights(policy: Policy, directory: Path) -> None:
 
 
 def adamw(model: nn.Module, settings: StepSettings) -> torch.optim.AdamW:
-    """The optimiser of ``model``'s parameters (rebuilt by a trainer that replaces them: FSDP)."""
-    return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    """The optimiser of ``model``'s trainable parameters (all of them, or a LoRA policy's
+    adapters: ``echo2.training.lora``); rebuilt by a trainer that replaces them (FSDP)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
 class TorchTrainer:
@@ -156,8 +159,15 @@ class SimulatedTrainer:
         pass
 
 
-def make_trainer(policy: Policy, settings: StepSettings, *, simulated_train_s: float = 0.0) -> Trainer:
-    """A ``SimulatedTrainer`` when ``simulated_train_s > 0``, else a ``TorchTrainer``."""
+def make_trainer(
+    policy: Policy, settings: StepSettings, *, simulated_train_s: float = 0.0, lora: LoraConfig | None = None
+) -> Trainer:
+    """A ``SimulatedTrainer`` when ``simulated_train_s > 0``, else a ``LoraTrainer`` with
+    ``lora`` (``echo2.training.lora``), else a ``TorchTrainer``."""
     if simulated_train_s > 0:
         return SimulatedTrainer(policy, simulated_train_s)
+    if lora is not None:
+        from echo2.training.lora import LoraTrainer
+
+        return LoraTrainer(policy, settings, lora)
     return TorchTrainer(policy, settings)

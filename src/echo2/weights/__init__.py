@@ -53,8 +53,12 @@ Delta versions (optional, ``delta_anchor_every``): the publisher also codes each
 against the one before (``WeightBroadcaster.prepare_delta``, off the event loop); members
 that announced that base installed get a plan and a manifest whose chunks carry the delta
 payload (relayed and repaired like any chunks), the others the dense manifest, repaired
-like late joiners. A member rebuilds the state into fresh memory and verifies it against
-the manifest's full-state digests before ``on_complete``; a member without the base, or
+like late joiners. A member rebuilds the state into fresh memory while the payload
+arrives (``delta.DeltaRebuild``: each segment as its record's chunks verify) and verifies
+each rebuilt chunk against the manifest's full-state digests before ``on_complete``; it
+keeps the last state as a base only while the publisher codes deltas (``delta_base``).
+LoRA runs publish adapter versions (``WeightManifest.adapter``), which engines install as
+adapters on the base they serve (``echo2.models.adapters``). A member without the base, or
 whose rebuild fails, keeps what it has installed and asks for the dense form
 (``ChunkRequest.dense``). Every K-th version is a dense anchor.
 

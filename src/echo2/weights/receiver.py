@@ -40,9 +40,10 @@ from echo2.weights.chunks import (
     ManifestRejected,
     SnapshotAssembler,
     prefaulted_buffer,
+    rebuild_pool,
     verify_pool,
 )
-from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
+from echo2.weights.delta import DeltaRebuild, base_of
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
     DEFAULT_MAX_OUTSTANDING_BYTES,
@@ -93,20 +94,6 @@ def _senders_to(plan: RelayPlan, member: str) -> set[str]:
 
 def _offer_all(assembler: SnapshotAssembler, chunks: list[WeightChunk]) -> list[str]:
     return [assembler.offer(chunk) for chunk in chunks]
-
-
-def _verify_in_place(assembler: SnapshotAssembler) -> bool:
-    """Offer every chunk of ``assembler``'s buffer where it lies (a rebuilt state); True
-    when all verify against the manifest."""
-    m = assembler.manifest
-    for index, size in enumerate(_chunk_sizes(m)):
-        region = assembler.destination(index, size)
-        if region is None:
-            return False
-        chunk = WeightChunk(incarnation=m.incarnation, version=m.version, index=index, data=region)
-        if assembler.offer(chunk) != "stored":
-            return False
-    return assembler.complete
 
 
 def _chunk_sizes(manifest: WeightManifest) -> list[int]:
@@ -197,10 +184,10 @@ class WeightReceiver:
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
         # Delta versions (``echo2.weights.delta``): the last complete version's state (the
-        # base a delta rebuilds from; read only), the full manifest of the delta version
-        # whose payload is being assembled, and the version being rebuilt.
+        # base a delta rebuilds from; read only), the rebuild of the delta version whose
+        # payload is being assembled, and the version being rebuilt.
         self._base: tuple[PolicyVersion, np.ndarray] | None = None
-        self._delta_manifest: WeightManifest | None = None
+        self._delta: DeltaRebuild | None = None
         self._rebuilding: PolicyVersion | None = None
         self._installed_key: PolicyVersion | None = None
         self._plan: RelayPlan | None = None
@@ -211,6 +198,7 @@ class WeightReceiver:
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
         self._pushes: dict[str, ChunkSender] = {}
         self._pool = verify_pool()  # the process's: many receivers share one process's cores
+        self._rebuild_pool = rebuild_pool()
         self._slots = asyncio.Semaphore(verify_threads)
         self._verify_threads = verify_threads
         self._group: asyncio.TaskGroup | None = None
@@ -480,7 +468,7 @@ class WeightReceiver:
         newest = self.newest()
         # The dense form of the version being assembled as a delta (the publisher moved us
         # to it) replaces the delta assembly.
-        to_dense = manifest.delta is None and self._delta_manifest is not None and key == self.assembling
+        to_dense = manifest.delta is None and self._delta is not None and key == self.assembling
         if newest is not None and key <= newest and not to_dense:
             self.counters["manifests_stale"] += 1
             return
@@ -502,7 +490,7 @@ class WeightReceiver:
         if manifest.delta is not None:
             await self._on_delta_manifest(manifest)
             return
-        self._delta_manifest = None
+        self._delta = None
         try:
             mapped = self._map_offered(manifest)
             buffer = mapped if mapped is not None else self._take_spare(manifest.total_bytes)
@@ -546,12 +534,16 @@ class WeightReceiver:
             await self._ask_dense(manifest.policy_version)
             return
         try:
-            assembler = SnapshotAssembler(payload_manifest(manifest))
-        except ManifestRejected as exc:
+            # Rebuilt as its payload's chunks verify, in the rebuild threads.
+            rebuild = DeltaRebuild(
+                manifest, self._base[1], self._rebuild_pool.submit, out=self._take_spare(manifest.total_bytes)
+            )
+        except (ManifestRejected, ValueError) as exc:
             self.counters["manifests_rejected"] += 1
             log.warning("%s: rejected delta manifest v%d: %s", self.name, manifest.version, exc)
             return
-        self._delta_manifest = manifest
+        self._delta = rebuild
+        assembler = rebuild.payload
         await self._start_assembly(assembler)
         if self._assembler is assembler and not self._in_plan(assembler.key):
             await self._request_missing(assembler)
@@ -562,42 +554,31 @@ class WeightReceiver:
             ChunkRequest(sampler_id=self.name, incarnation=key.incarnation, version=key.version, indices=[], dense=True)
         )
 
-    async def _rebuild(self, payload: SnapshotAssembler, manifest: WeightManifest) -> None:
-        """The full state from a complete payload and the base, verified chunk by chunk
-        against the (signed) manifest's full-state digests; only then complete. On any
+    async def _rebuild(self, rebuild: DeltaRebuild) -> None:
+        """Complete a delta version once its rebuild (which ran while the payload arrived)
+        verified every chunk of the full state against the (signed) manifest. On any
         failure the previous version stays installed and the dense form is asked for."""
-        key = manifest.policy_version
-        base = self._base
-        assert base is not None
-        loop = asyncio.get_running_loop()
-
-        spare = self._take_spare(manifest.total_bytes)
-
-        def rebuild() -> SnapshotAssembler | None:
-            state = SnapshotAssembler(manifest, spare)
-            try:
-                decode(payload.plaintext, base[1], state.buffer, threads=self._verify_threads)
-            except (DeltaError, ValueError, IndexError) as exc:  # a payload that passed its digests but lies
-                log.warning("%s: delta v%d does not decode: %s", self.name, key.version, exc)
-                return None
-            return state if _verify_in_place(state) else None
-
+        key = rebuild.key
         try:
-            state = await loop.run_in_executor(self._pool, rebuild)
+            verified = await asyncio.wrap_future(rebuild.result)
         finally:
             self._rebuilding = None
         newest = self.newest()
         if newest is not None and newest > key:
             return  # superseded while rebuilding
-        if state is None:
+        if not verified:
             self.counters["delta_rejected"] += 1
             log.warning(
-                "%s: delta v%d failed verification; keeping v%s, asking for dense", self.name, key.version, newest
+                "%s: delta v%d failed verification (%s); keeping v%s, asking for dense",
+                self.name,
+                key.version,
+                rebuild.error,
+                newest,
             )
             await self._ask_dense(key)
             return
         self.counters["delta_versions"] += 1
-        self._finish(state)
+        self._finish(rebuild.state)
 
     def _map_offered(self, manifest: WeightManifest) -> np.ndarray | None:
         """The version's bytes mapped from shared memory, if the publisher offered them."""
@@ -668,18 +649,21 @@ class WeightReceiver:
         self._meter.progressed()
         if assembler.complete:
             self._assembler = None
-            delta, self._delta_manifest = self._delta_manifest, None
+            delta, self._delta = self._delta, None
             if delta is not None:
                 assert self._group is not None
                 self._rebuilding = assembler.key
-                self._group.create_task(self._rebuild(assembler, delta))
+                self._group.create_task(self._rebuild(delta))
                 return
             self._finish(assembler)
 
     def _finish(self, assembler: SnapshotAssembler) -> None:
         """A version complete and verified: the base of the next delta, and ``on_complete``."""
         self._complete_key = assembler.key
-        self._base = (assembler.key, assembler.plaintext)
+        # Kept only while the publisher sends delta versions: on a large model the copy is
+        # a whole state more per member.
+        keep = assembler.manifest.delta_base or assembler.manifest.delta is not None
+        self._base = (assembler.key, assembler.plaintext) if keep else None
         self.counters["versions_complete"] += 1
         # Shared-memory members need no spare for the bytes received, only for those opened.
         spares = int(assembler.key != self._shm_key) + int(bool(assembler.manifest.seal_key))
