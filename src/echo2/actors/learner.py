@@ -728,7 +728,7 @@ def step_settings(config: LearnerConfig) -> StepSettings:
 def build_trainer(job: JobConfig, config: LearnerConfig) -> Trainer:
     """The trainer a Learner with ``config`` uses (every data-parallel rank builds the same)."""
     from echo2.models.policy import load_policy
-    from echo2.training.trainer import make_trainer
+    from echo2.training.choose import make_trainer
 
     # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
     policy = load_policy(job.model, dtype=config.model_dtype, device=config.device, prompt_format=job.prompt_format)

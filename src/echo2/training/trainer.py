@@ -11,7 +11,10 @@ after ``step`` returned. Implementations:
 * ``echo2.training.distributed.DistributedTrainer``: a ``TorchTrainer`` over DDP ranks;
   ``echo2.training.sharded.FSDPTrainer``: over FSDP2 ranks (sharded state).
 
-``make_trainer`` chooses between the first two from the Learner's configuration.
+* ``echo2.training.lora.LoraTrainer``: a ``TorchTrainer`` of LoRA adapters on a frozen base.
+
+``echo2.training.choose.make_trainer`` chooses among the single-process ones from the
+Learner's configuration.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from echo2.models.adapters import LoraConfig
 from echo2.models.policy import Policy
 from echo2.rl.step import WHOLE_BATCH, Share, StepSettings, StepStats, TrainingRows, optimiser_step
 
@@ -157,17 +159,3 @@ class SimulatedTrainer:
 
     def close(self) -> None:
         pass
-
-
-def make_trainer(
-    policy: Policy, settings: StepSettings, *, simulated_train_s: float = 0.0, lora: LoraConfig | None = None
-) -> Trainer:
-    """A ``SimulatedTrainer`` when ``simulated_train_s > 0``, else a ``LoraTrainer`` with
-    ``lora`` (``echo2.training.lora``), else a ``TorchTrainer``."""
-    if simulated_train_s > 0:
-        return SimulatedTrainer(policy, simulated_train_s)
-    if lora is not None:
-        from echo2.training.lora import LoraTrainer
-
-        return LoraTrainer(policy, settings, lora)
-    return TorchTrainer(policy, settings)
