@@ -44,7 +44,9 @@ def _trained(task: str, version: int, learner_version: int, incarnation: int = 0
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     RunDir(tmp_path).topology_path.write_text(json.dumps({"job": {"staleness": 2}}))
-    _write(tmp_path, "ps", [ledger.Leased(task=f"t{i}", lease=i, attempt=0, sampler="s0") for i in range(6)])
+    leases = [ledger.Leased(task=f"t{i}", lease=i, attempt=0, sampler="s0") for i in range(6)]
+    # t2's group came late: its lease had expired, and the run stopped before its re-issue.
+    _write(tmp_path, "ps", [*leases, ledger.Outstanding(task="t2", attempt=1)])
     _write(
         tmp_path,
         "buf",
