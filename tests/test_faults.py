@@ -1,8 +1,10 @@
-"""Faults a real fleet has: a sampler process killed with SIGKILL, twice, mid-run.
+"""Faults a real fleet has: a sampler process killed with SIGKILL, twice, mid-run; the data
+process (PromptSource, Rewarder, Buffer) killed with SIGKILL mid-run.
 
 The launcher restarts it (``restart = "on-failure"``), the restarted sampler catches up on
 weights, its old leases are expired and re-issued, and the run finishes its steps with no
-rollout trained twice.
+rollout trained twice. A restarted data process continues from its journals: the learner
+and the samplers find it again, and the audit finds every task at an end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import textwrap
 
 import pytest
 
@@ -135,3 +139,79 @@ def test_learner_killed_then_resumed_trains_nothing_twice(tmp_path: Path) -> Non
     assert audit.returncode == 0, audit.stdout
     assert report["duplicated"] == [] and report["lost"] == []
     assert report["voided_by_resume"] > 0  # the crashed incarnation trained past its checkpoint
+
+
+SIMULATED_JOB = """
+[run]
+name = "durable"
+drain_timeout_s = 5.0
+deadline_s = 120.0
+[job]
+staleness = 2
+group_size = 4
+groups_per_step = 4
+max_new_tokens = 5
+[processes.data]
+restart = "on-failure"
+restart_backoff_s = 0.1
+[processes.learner]
+[processes.samplers]
+[actors.prompt_source]
+kind = "prompt_source"
+process = "data"
+config = { lease_ttl_s = 10.0 }
+[actors.rewarder]
+kind = "rewarder"
+process = "data"
+[actors.buffer]
+kind = "buffer"
+process = "data"
+[actors.learner]
+kind = "learner"
+process = "learner"
+config = { max_steps = 60, simulated_train_s = 0.05, eval_every = 0, eval_prompts = 2, checkpoint_every = 0 }
+[actors.weight_publisher]
+kind = "weight_publisher"
+process = "learner"
+[actors.sampler]
+kind = "sampler"
+replicas = 2
+process = "samplers"
+config = { engine = "simulated", engine_kwargs = { seconds_per_token = 0.002, success_rate = 0.5 }, credits = 4 }
+"""
+
+
+@pytest.mark.timeout(120)
+def test_data_process_killed_mid_run_is_restarted_and_the_run_completes_with_nothing_lost(tmp_path: Path) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(textwrap.dedent(SIMULATED_JOB))
+    command = [sys.executable, "-m", "echo2.launch", str(topology), "--run-dir", str(tmp_path / "runs")]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        runs = tmp_path / "runs"
+        run = _wait_for(lambda: runs.is_dir() and next(runs.iterdir(), None), 30, "the run dir")
+        _wait_for(lambda: _learner_steps(run) >= 20, 60, "learner step 20")
+        pid = _sampler_pid(run, "data")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, output[-4000:]
+    assert output.count("restarted process 'data'") == 1, output[-4000:]
+    # Both journals were replayed by the restarted process.
+    assert "prompt_source: incarnation 2 recovered" in output and "buffer: incarnation 2 recovered" in output
+    summary = json.loads(RunDir(run).summary_path.read_text())
+    assert summary["steps"] == 60 and summary["rollouts_trained_twice"] == 0
+    audit = subprocess.run(
+        [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(audit.stdout)
+    assert audit.returncode == 0, audit.stdout
+    assert report["lost"] == [] and report["unresolved"] == [] and report["accepted_twice"] == []
+    assert report["duplicated"] == [] and report["late_accepted"] == []
+    assert report["trained"] == 60 * 4
+    # No sampler was taken for a forger by the restarted PromptSource.
+    assert report["quarantined"] == {}

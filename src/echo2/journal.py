@@ -142,7 +142,11 @@ class Journal(Generic[R, S]):
         assert self._fd is not None, "Journal.open() first"
         body = self._encoder.encode(record)
         frame = _LENGTH.pack(len(body)) + body
-        os.write(self._fd, frame)
+        written = os.write(self._fd, frame)
+        while written < len(frame):
+            # A short write (the disk filled up mid-record): the next write raises, and the
+            # torn record is cut off at the next open.
+            written += os.write(self._fd, memoryview(frame)[written:])
         if self.fsync == "always":
             os.fsync(self._fd)
         self.records_written += 1
