@@ -215,3 +215,55 @@ def test_data_process_killed_mid_run_is_restarted_and_the_run_completes_with_not
     assert report["trained"] == 60 * 4
     # No sampler was taken for a forger by the restarted PromptSource.
     assert report["quarantined"] == {}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A 64 MiB tmpfs to fill (needs root, as CI and this project's machines have)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root needed): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+@pytest.mark.slow  # ~40 s: a full disk mid-run, then --resume once there is space again
+@pytest.mark.timeout(180)
+def test_a_disk_full_mid_run_loses_nothing_once_resumed_with_space(small_disk: Path, tmp_path: Path) -> None:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(textwrap.dedent(SIMULATED_JOB).replace("checkpoint_every = 0", "checkpoint_every = 10"))
+    runs = small_disk / "runs"
+    command = [sys.executable, "-m", "echo2.launch", str(topology), "--run-dir", str(runs)]
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    filler = small_disk / "filler"
+    try:
+        run = _wait_for(lambda: runs.is_dir() and next(runs.iterdir(), None), 30, "the run dir")
+        _wait_for(lambda: _learner_steps(run) >= 25, 60, "learner step 25")
+        with open(filler, "wb") as file:  # every process's next write fails: ENOSPC
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    file.write(b"\0" * 65536)
+                    file.flush()
+        output, _ = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 1, output[-4000:]
+    assert "No space left on device (ENOSPC)" in output, output[-4000:]
+    filler.unlink()  # space again
+    resumed = subprocess.run([*command[:4], "--resume", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    summary = json.loads(RunDir(run).summary_path.read_text())
+    assert summary["steps"] == 60
+    audit = subprocess.run(
+        [sys.executable, "-m", "echo2.audit", str(run), "--json"], capture_output=True, text=True, timeout=60
+    )
+    report = json.loads(audit.stdout)
+    assert audit.returncode == 0, audit.stdout
+    assert report["lost"] == [] and report["unresolved"] == [] and report["accepted_twice"] == []
+    assert report["duplicated"] == [] and report["late_accepted"] == []

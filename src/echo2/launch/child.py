@@ -208,8 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s: exiting: %s", args.process, exc.strerror)
         code = exits.FAILED
     except ActorFailed as exc:
-        cause = exc.__cause__
-        if isinstance(cause, OSError) and cause.errno in exits.STORAGE_ERRNOS:
+        cause = _storage_error(exc.__cause__)
+        if cause is not None:
             where = cause.filename if cause.filename is not None else resolved.run_dir
             log.error("%s: exiting: actor %r %s", args.process, exc.actor, exits.cannot_write(where, cause))
             code = exits.STORAGE
@@ -222,6 +222,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if watch.launcher_gone:
         write_orphaned_status(RunDir(run_dir), args.process, code)
     return code
+
+
+def _storage_error(exc: BaseException | None) -> OSError | None:
+    """The write error behind ``exc`` that says the run directory is full or read-only, if
+    any: an actor's loops fail inside task groups, and a write may fail while another error
+    is handled (a full disk fails the next write too)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in exits.STORAGE_ERRNOS:
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend((current.__cause__, current.__context__))
+    return None
 
 
 ORPHANED_FILE = "status.orphaned.jsonl"
@@ -261,13 +280,18 @@ def write_orphaned_status(run: RunDir, process: str, code: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not reaped by whoever adopted it, is not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust the signal
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def _run_loop(coro) -> None:
