@@ -34,7 +34,9 @@ def _records() -> list[wal.Record]:
     return [
         wal.Started(incarnation=1),
         *[wal.Stored(group=codec.encode(_scored(f"t{i}", 1, lease_id=i))) for i in range(4)],
-        wal.Refused(task="t9", lease=9, attempt=0, version=1, sampler="s", outcome="dropped", reason="no_reward", seen=True),
+        wal.Refused(
+            task="t9", lease=9, attempt=0, version=1, sampler="s", outcome="dropped", reason="no_reward", seen=True
+        ),
         wal.Expired(lease=7, task="t7"),
         wal.Handed(request_version=1, tasks=["t0", "t1"]),
         wal.Evicted(tasks=["t3"], reason="stale"),

@@ -14,10 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
-
-import textwrap
 
 import pytest
 
@@ -256,7 +255,9 @@ def test_a_disk_full_mid_run_loses_nothing_once_resumed_with_space(small_disk: P
     assert first.returncode == 1, output[-4000:]
     assert "No space left on device (ENOSPC)" in output, output[-4000:]
     filler.unlink()  # space again
-    resumed = subprocess.run([*command[:4], "--resume", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(
+        [*command[:4], "--resume", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
     summary = json.loads(RunDir(run).summary_path.read_text())
     assert summary["steps"] == 60
@@ -267,3 +268,22 @@ def test_a_disk_full_mid_run_loses_nothing_once_resumed_with_space(small_disk: P
     assert audit.returncode == 0, audit.stdout
     assert report["lost"] == [] and report["unresolved"] == [] and report["accepted_twice"] == []
     assert report["duplicated"] == [] and report["late_accepted"] == []
+
+
+@pytest.mark.slow  # ~2.5 min: benchmarks/chaos.py's chaos run, short
+@pytest.mark.timeout(400)
+def test_a_short_chaos_run_loses_nothing_and_trains_nothing_twice() -> None:
+    """A sampler and the data process killed (both restarted), the learner killed (the run
+    resumed), a sampler frozen: every leased task reaches an end, none twice."""
+    from benchmarks.chaos import FAULTS, Faults, run_case
+
+    seconds = 120.0
+    schedule = Faults.draw(seconds, seed=3, stop_s=15.0, kill_every=0.0)
+    result = run_case(seconds, faults=schedule, bad_frames=1000)
+    assert sorted(fault for _, fault, _ in result["faults"]) == sorted(FAULTS), result
+    assert result["resumed"] and result["exit_codes"][0] == 1, result
+    assert result["steps"] > 0 and result["audit_ok"], result
+    for violation in ("lost", "unresolved", "accepted_twice", "duplicated", "late_accepted"):
+        assert result[violation] == 0, (violation, result)
+    assert result["crashes_other_than_kills"] == 0, result
+    assert result["stale_fraction"] <= 0.05, result

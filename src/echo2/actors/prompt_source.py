@@ -160,6 +160,10 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     by hundredths on the built-in model; another model or invented log-probs by more."""
     quarantine_mismatch_steps: Annotated[int, Meta(ge=1)] = 5
     """Consecutive learner steps over ``quarantine_mismatch`` after which it is quarantined."""
+    journal: bool = True
+    """Keep the lease journal that lets a restarted or resumed PromptSource continue its
+    stream and leases (``echo2.actors.lease_journal``). Off: a restart starts the stream
+    over and forgets its leases (for measurements only)."""
     journal_fsync: FsyncPolicy = "none"
     """When the lease journal reaches the disk: "none" (each record written before its lease
     is sent: survives a kill -9 of this process) or "always" (fsync per record: survives a
@@ -295,7 +299,7 @@ class PromptSource(Actor):
 
     def _open_journal(self) -> None:
         """Recover what a previous incarnation issued and settled, then journal from here."""
-        if self.ctx.run_dir is None:
+        if self.ctx.run_dir is None or not self.config.journal:
             return  # embedded without a run directory: nothing to survive a restart with
         directory = RunDir(self.ctx.run_dir).checkpoints_dir
         journal: Journal[wal.Record, wal.State] = Journal(
