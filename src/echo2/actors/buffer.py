@@ -195,7 +195,7 @@ class Buffer(Actor):
         state = self._book.snapshot()
         self._journal.compact(state)
         self._log_bytes_at_snapshot = self._journal.bytes_written
-        self._snapshot_bytes = sum(len(g) for g in state.store) + sum(len(g) for _, g in state.retained)
+        self._snapshot_bytes = sum(len(g) for g in state.store) + sum(len(g) for _, _, g in state.retained)
 
     async def aclose(self) -> None:
         if not hasattr(self, "_book"):
@@ -363,7 +363,7 @@ class Buffer(Actor):
             self._pending = {p: r for p, r in self._pending.items() if r.incarnation >= request.incarnation}
         elif request.incarnation < book.learner_incarnation:
             return  # a dead incarnation's
-        elif again := book.handed_for(request.version):
+        elif again := book.handed_for(request.version, peer):
             # Its batch was handed already and never reached the learner (a dropped
             # connection, or this Buffer's previous incarnation died before sending it):
             # the same groups again, so that each is trained once whichever copy arrives.
@@ -410,8 +410,8 @@ class Buffer(Actor):
             return False
         del self._pending[peer]
         tasks = [book.store[i].group.task_id for i in range(request.num_groups)]
-        self._commit(wal.Handed(request_version=request.version, tasks=tasks))
-        groups = book.handed_for(request.version)
+        self._commit(wal.Handed(request_version=request.version, tasks=tasks, peer=peer))
+        groups = book.handed_for(request.version, peer)
         await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)
         return True

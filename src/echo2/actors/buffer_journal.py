@@ -103,10 +103,12 @@ class Expired(msgspec.Struct, frozen=True, tag="expired"):
 
 
 class Handed(msgspec.Struct, frozen=True, tag="handed"):
-    """The first ``len(tasks)`` stored groups went to the learner for ``request_version``."""
+    """The first ``len(tasks)`` stored groups went to the learner for ``request_version``
+    (``peer``: the routing id of the connection that asked)."""
 
     request_version: int
     tasks: list[str]
+    peer: bytes = b""
 
 
 class Evicted(msgspec.Struct, frozen=True, tag="evicted"):
@@ -145,7 +147,8 @@ class State(msgspec.Struct, frozen=True):
     learner_version: int = 0
     next_version: int = 0
     store: list[bytes] = []
-    retained: list[tuple[int, bytes]] = []
+    retained: list[tuple[int, bytes, bytes]] = []
+    """(request version, peer, group)."""
     seen_tasks: list[str] = []
     stored_leases: list[int] = []
     expired_leases: list[int] = []
@@ -178,8 +181,8 @@ class BufferBook:
         self.next_version = 0
         """The learner's next version, as far as this Buffer knows (what it reports)."""
         self.store: deque[ScoredGroup] = deque()
-        self.retained: deque[tuple[int, ScoredGroup]] = deque()
-        """(request version, group) handed since the checkpoint a resume would fall back to."""
+        self.retained: deque[tuple[int, bytes, ScoredGroup]] = deque()
+        """(request version, peer, group) handed since the checkpoint a resume would fall back to."""
         self.seen_tasks: set[str] = set()
         self.stored_leases: set[int] = set()
         self.expired_leases: set[int] = set()
@@ -204,9 +207,10 @@ class BufferBook:
             return "expired", ""
         return None
 
-    def handed_for(self, version: int) -> list[ScoredGroup]:
-        """The groups handed for a request at ``version`` (the batch a repeated request gets)."""
-        return [g for v, g in self.retained if v == version]
+    def handed_for(self, version: int, peer: bytes) -> list[ScoredGroup]:
+        """The groups handed to ``peer`` for a request at ``version`` (the batch a repeated
+        request gets)."""
+        return [g for v, p, g in self.retained if v == version and p == peer]
 
     # -- changes ---------------------------------------------------------------------
 
@@ -226,9 +230,9 @@ class BufferBook:
             case Expired(lease=lease, task=task):
                 self.expired_leases.add(lease)
                 return [ledger.LeaseExpired(task=task, lease=lease)]
-            case Handed(request_version=version, tasks=tasks):
+            case Handed(request_version=version, tasks=tasks, peer=peer):
                 groups = self._take(tasks)
-                self.retained.extend((version, g) for g in groups)
+                self.retained.extend((version, peer, g) for g in groups)
                 while len(self.retained) > self.max_retained:
                     self.retained.popleft()
                 self.counters["groups_trained"] += len(groups)
@@ -303,8 +307,8 @@ class BufferBook:
     def _learner_resumed(self, incarnation: int, version: int) -> list[ledger.LedgerEvent]:
         self.learner_incarnation, self.resumed_from = incarnation, version
         self.learner_version = self.next_version = version
-        again = [g for v, g in self.retained if v >= version]
-        self.retained = deque((v, g) for v, g in self.retained if v < version)
+        again = [g for v, _, g in self.retained if v >= version]
+        self.retained = deque(r for r in self.retained if r[0] < version)
         self.store.extendleft(reversed(again))
         self.counters["groups_trained"] -= len(again)  # back in the store, not trained
         return [ledger.Requeued(task=g.group.task_id, version=g.group.version) for g in again]
@@ -334,7 +338,7 @@ class BufferBook:
             learner_version=self.learner_version,
             next_version=self.next_version,
             store=[encode(g) for g in self.store],
-            retained=[(v, encode(g)) for v, g in self.retained],
+            retained=[(v, p, encode(g)) for v, p, g in self.retained],
             seen_tasks=sorted(self.seen_tasks),
             stored_leases=sorted(self.stored_leases),
             expired_leases=sorted(self.expired_leases),
@@ -364,7 +368,7 @@ class BufferBook:
         self.incarnation, self.learner_incarnation = s.incarnation, s.learner_incarnation
         self.resumed_from, self.learner_version, self.next_version = s.resumed_from, s.learner_version, s.next_version
         self.store = deque(decode(frame) for frame in s.store)
-        self.retained = deque((v, decode(frame)) for v, frame in s.retained)
+        self.retained = deque((v, p, decode(frame)) for v, p, frame in s.retained)
         self.seen_tasks = set(s.seen_tasks)
         self.stored_leases, self.expired_leases = set(s.stored_leases), set(s.expired_leases)
         self.settled = dict(s.settled)
