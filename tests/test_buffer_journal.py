@@ -4,15 +4,12 @@ journal says."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from tests.polling import until
-from tests.test_actors import _addresses, _scored
+from tests.test_actors import _scored, running
 
 from echo2 import ledger
 from echo2.actors import buffer_journal as wal
@@ -20,7 +17,6 @@ from echo2.actors.buffer import Buffer, BufferConfig
 from echo2.job import JobConfig
 from echo2.messages import Batch, BatchRequest, ExpireLease, LearnerProgress, LeaseClosed, Message
 from echo2.rundir import RunDir
-from echo2.runtime import ProcessRuntime
 from echo2.transport import Transport
 
 pytestmark = pytest.mark.timeout(30)
@@ -84,21 +80,6 @@ def test_the_ledger_lines_a_kill_cut_off_are_found() -> None:
 # -- the actor, killed and restarted ---------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _running(buffer: Buffer, transport: Transport, run_dir: Path) -> AsyncIterator[str]:
-    prefix = f"b-{id(buffer):x}"
-    runtime = ProcessRuntime(
-        [buffer], {buffer.name: _addresses(buffer, prefix)}, transport=transport, run_dir=run_dir, drain_timeout_s=2
-    )
-    async with asyncio.TaskGroup() as group:
-        group.create_task(runtime.run())
-        await runtime.wait_ready()
-        try:
-            yield prefix
-        finally:
-            runtime.request_stop("test finished")
-
-
 def _kill_9(run: Path, copy: Path) -> None:
     """What a kill -9 leaves: the run directory as it is now (every record is one write)."""
     for part in (RunDir(run).checkpoints_dir, RunDir(run).ledger_dir):
@@ -119,7 +100,7 @@ async def test_a_killed_buffer_restarts_with_its_groups_and_decides_nothing_twic
 ) -> None:
     first_run, restarted = tmp_path / "first", tmp_path / "restarted"
     first = Buffer("buf", BufferConfig(), JOB)
-    async with _running(first, transport, first_run) as p:
+    async with running(first, transport, first_run) as p:
         completions = transport.pull(name="ps.completions", bind=[f"inproc://{p}/peer-completions"])
         scored = transport.push(name="rw.scored", connect=[f"inproc://{p}/scored"])
         control = transport.push(name="ps.control", connect=[f"inproc://{p}/lease_control"])
@@ -146,7 +127,7 @@ async def test_a_killed_buffer_restarts_with_its_groups_and_decides_nothing_twic
     assert [g.group.task_id for g in handed.groups] == ["t0", "t1"]
 
     second = Buffer("buf", BufferConfig(), JOB)
-    async with _running(second, transport, restarted) as p:
+    async with running(second, transport, restarted) as p:
         completions = transport.pull(name="ps.completions", bind=[f"inproc://{p}/peer-completions"])
         scored = transport.push(name="rw.scored", connect=[f"inproc://{p}/scored"])
         control = transport.push(name="ps.control", connect=[f"inproc://{p}/lease_control"])
@@ -189,7 +170,7 @@ async def test_a_killed_buffer_restarts_with_its_groups_and_decides_nothing_twic
     # The kill came between the expiry's record and its ledger line: the line is written
     # by the restarted Buffer, once.
     third = Buffer("buf", BufferConfig(), JOB)
-    async with _running(third, transport, tmp_path / "cut"):
+    async with running(third, transport, tmp_path / "cut"):
         await until(lambda: third.statistics().groups_stored == 3)
     events = ledger.read([tmp_path / "cut"]).events
     assert [e for e in events if isinstance(e, ledger.LeaseExpired)] == [ledger.LeaseExpired(task="t5", lease=5)]

@@ -3,16 +3,13 @@ kill -9 (echo2.actors.lease_journal): what a restarted or resumed PromptSource c
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from tests.polling import until
-from tests.test_actors import _addresses
+from tests.test_actors import running
 
 from echo2.actors import lease_journal as wal
 from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
@@ -21,7 +18,6 @@ from echo2.job import JobConfig
 from echo2.journal import Journal
 from echo2.messages import Hello, LearnerProgress, LeaseClosed, SayHello, TaskLease, Welcome, WorkRequest
 from echo2.rundir import RunDir
-from echo2.runtime import ProcessRuntime
 from echo2.transport import Transport
 
 
@@ -119,22 +115,6 @@ def test_lease_ids_carry_the_incarnation() -> None:
     assert wal.lease_id(2, 1) > wal.lease_id(1, 10**9)
 
 
-@contextlib.asynccontextmanager
-async def _running(source: PromptSource, transport: Transport, run_dir: Path, resume: bool) -> AsyncIterator[str]:
-    prefix = f"j-{id(source):x}"
-    addresses = {source.name: _addresses(source, prefix)}
-    runtime = ProcessRuntime(
-        [source], addresses, transport=transport, run_dir=run_dir, resume=resume, drain_timeout_s=2
-    )
-    async with asyncio.TaskGroup() as group:
-        group.create_task(runtime.run())
-        await runtime.wait_ready()
-        try:
-            yield prefix
-        finally:
-            runtime.request_stop("test finished")
-
-
 async def _leases(transport: Transport, prefix: str, n: int, name: str = "s0") -> list[TaskLease]:
     from tests.test_bounds import _welcomed
 
@@ -157,7 +137,7 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
 ) -> None:
     crashed, restarted, resumed = tmp_path / "crashed", tmp_path / "restarted", tmp_path / "resumed"
     first = PromptSource("ps", CONFIG, JOB)
-    async with _running(first, transport, crashed, resume=False) as prefix:
+    async with running(first, transport, crashed, resume=False) as prefix:
         leases = await _leases(transport, prefix, 4)
         completions = transport.push(name="buf", connect=[f"inproc://{prefix}/completions"])
         try:
@@ -177,7 +157,7 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
     # Restarted in a live run: the 3 open leases stay open for their holders; new work
     # continues the stream and carries the new incarnation.
     second = PromptSource("ps", CONFIG, JOB)
-    async with _running(second, transport, restarted, resume=False) as prefix:
+    async with running(second, transport, restarted, resume=False) as prefix:
         assert second.statistics().open_leases == 3
         # The sampler that holds them kept running: its next WorkRequest is not served but
         # answered with SayHello; its Hello is welcomed and its leases stay open.
@@ -200,7 +180,7 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
     # once. The Buffer (played here) says one of them was stored before the stop: only the
     # other two are re-issued, first, as attempt 1, once the resumed learner has reported.
     third = PromptSource("ps", CONFIG, JOB)
-    async with _running(third, transport, resumed, resume=True) as prefix:
+    async with running(third, transport, resumed, resume=True) as prefix:
         control = transport.pull(name="buf.control", bind=[f"inproc://{prefix}/peer-lease_control"])
         buffer = transport.push(name="buf", connect=[f"inproc://{prefix}/completions"])
         try:

@@ -150,13 +150,16 @@ class Buffer(Actor):
         was anything to recover."""
         if self.ctx.run_dir is None or not self.config.journal:
             return False
-        directory = RunDir(self.ctx.run_dir).checkpoints_dir
-        journal: Journal[wal.Record, wal.State] = Journal(
-            directory, self.name, wal.Record, wal.State, fsync=self.config.journal_fsync
+        journal, state, records = Journal[wal.Record, wal.State].resumed(
+            RunDir(self.ctx.run_dir).checkpoints_dir,
+            self.name,
+            wal.Record,
+            wal.State,
+            fsync=self.config.journal_fsync,
+            resume=self.ctx.resume,
+            warn=self.ctx.log.warning,
+            otherwise="starting empty",
         )
-        if self.ctx.resume and not journal.exists():
-            self.ctx.log.warning("--resume: no buffer journal in %s; starting empty", directory)
-        state, records = journal.open()
         recovered = wal.BufferBook.restore(state, records, max_retained=self.config.max_groups)
         self._book, self._journal = recovered.book, journal
         # Killed between a record and its ledger lines: write them now, so that the ledger

@@ -301,13 +301,16 @@ class PromptSource(Actor):
         """Recover what a previous incarnation issued and settled, then journal from here."""
         if self.ctx.run_dir is None or not self.config.journal:
             return  # embedded without a run directory: nothing to survive a restart with
-        directory = RunDir(self.ctx.run_dir).checkpoints_dir
-        journal: Journal[wal.Record, wal.State] = Journal(
-            directory, self.name, wal.Record, wal.State, fsync=self.config.journal_fsync
+        journal, state, records = Journal[wal.Record, wal.State].resumed(
+            RunDir(self.ctx.run_dir).checkpoints_dir,
+            self.name,
+            wal.Record,
+            wal.State,
+            fsync=self.config.journal_fsync,
+            resume=self.ctx.resume,
+            warn=self.ctx.log.warning,
+            otherwise="starting the stream over",
         )
-        if self.ctx.resume and not journal.exists():
-            self.ctx.log.warning("--resume: no lease journal in %s; starting the stream over", directory)
-        state, records = journal.open()
         self._journal = journal
         recovered = wal.recover(state, records)
         self._incarnation = recovered.incarnation + 1
