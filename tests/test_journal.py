@@ -99,10 +99,14 @@ def test_recover_replays_issues_settlements_and_progress() -> None:
         wal.Settled(2, requeue=True),  # expired: t1 again as attempt 1
         issued(4, "t1", 1, False),
         wal.Settled(3, requeue=True, front=True),  # its send failed: same attempt, first
-        wal.Progress(trained=1, dropped_after_store=0),
+        wal.Progress(trained=1, dropped_after_store=0, next_version=2, learner_incarnation=1),
+        wal.Welcomed(name="s0", route=b"s0/1"),
+        wal.Quarantined(name="forger"),
     ]
     out = wal.recover(None, records)
     assert (out.incarnation, out.issued_tasks, out.stored, out.trained) == (1, 3, 1, 1)
+    assert (out.next_version, out.learner_incarnation) == (2, 1)  # the admission window
+    assert out.samplers == {"s0": b"s0/1"} and out.quarantined == {"forger"}
     assert list(out.open) == [4]
     assert [(p.task.task_id, p.attempt) for p in out.retry] == [("t2", 0)]
     # A snapshot of that state recovers the same state.

@@ -115,7 +115,13 @@ class Welcomed(msgspec.Struct, frozen=True, tag="welcomed"):
     route: bytes
 
 
-Record = Started | Issued | Settled | Progress | Welcomed
+class Quarantined(msgspec.Struct, frozen=True, tag="quarantined"):
+    """A sampler gets no more leases; a restart does not forgive it."""
+
+    name: str
+
+
+Record = Started | Issued | Settled | Progress | Welcomed | Quarantined
 
 
 class Pending(msgspec.Struct, frozen=True):
@@ -136,6 +142,7 @@ class State(msgspec.Struct, frozen=True):
     next_version: int = 0
     learner_incarnation: int = 0
     samplers: dict[str, bytes] = {}
+    quarantined: list[str] = []
 
 
 @dataclass
@@ -151,6 +158,7 @@ class Recovered:
     learner_incarnation: int = 0
     samplers: dict[str, bytes] = field(default_factory=dict)
     """Sampler name -> the route it was last welcomed on."""
+    quarantined: set[str] = field(default_factory=set)
 
 
 def recover(state: State | None, records: list[Record]) -> Recovered:
@@ -167,6 +175,7 @@ def recover(state: State | None, records: list[Record]) -> Recovered:
         next_version=s.next_version,
         learner_incarnation=s.learner_incarnation,
         samplers=dict(s.samplers),
+        quarantined=set(s.quarantined),
     )
     for record in records:
         match record:
@@ -197,6 +206,8 @@ def recover(state: State | None, records: list[Record]) -> Recovered:
                 out.next_version, out.learner_incarnation = record.next_version, record.learner_incarnation
             case Welcomed(name=name, route=route):
                 out.samplers[name] = route
+            case Quarantined(name=name):
+                out.quarantined.add(name)
     return out
 
 
@@ -219,4 +230,5 @@ def snapshot(r: Recovered) -> State:
         next_version=r.next_version,
         learner_incarnation=r.learner_incarnation,
         samplers=dict(r.samplers),
+        quarantined=sorted(r.quarantined),
     )

@@ -327,6 +327,7 @@ class PromptSource(Actor):
         self._next_version, self._learner_incarnation = recovered.next_version, recovered.learner_incarnation
         self._retry.extend((p.task.prompt(), p.attempt) for p in recovered.retry)
         self._known_samplers = dict(recovered.samplers)
+        self._quarantined |= recovered.quarantined
         if self.ctx.resume:
             # Nothing is issued before the resumed learner says where it resumed: a lease
             # asking for a version of the learner's lost future would wait for ever.
@@ -381,6 +382,7 @@ class PromptSource(Actor):
                 next_version=self._next_version,
                 learner_incarnation=self._learner_incarnation,
                 samplers=dict(self._known_samplers),
+                quarantined=sorted(self._quarantined),
             )
         )
 
@@ -732,6 +734,7 @@ class PromptSource(Actor):
         if name in self._quarantined:
             return
         self._quarantined.add(name)
+        self._journal_append(wal.Quarantined(name=name))
         self.counters["quarantined_samplers"] += 1
         self.ctx.log.warning("quarantined sampler %s: %s", name, reason)
         self.ctx.ledger(ledger.Quarantined(sampler=name, reason=reason))
