@@ -420,6 +420,8 @@ class Learner(Actor):
                 dropped = self._batches.statistics().disconnects > self._request_disconnects
                 waited = time.monotonic() - self._request_sent_at
                 if dropped or waited >= self.config.batch_resend_s:
+                    why = "the connection to the Buffer dropped" if dropped else f"no answer in {waited:.0f} s"
+                    self.ctx.log.info("%s: asking again for the batch of version %d", why, self._request_version)
                     self.batch_requests_resent += 1
                     self._request_unsent = True
 
