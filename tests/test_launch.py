@@ -273,7 +273,9 @@ def test_children_of_a_killed_launcher_drain_and_log_to_their_files(tmp_path: Pa
         assert f"launcher (pid {proc.pid}) exited" in log and f"actor {name} finished" in log, log
     # The last process out wrote the status the launcher could not.
     status = json.loads(run.status_path.read_text())
-    assert status["exit_code"] == 137 and status["processes"] == dict.fromkeys(pids, 0), status
+    assert status["exit_code"] == 137 and set(status["processes"]) == set(pids), status
+    # The source (count = 0) may have finished before the launcher died: its exit is unknown.
+    assert {status["processes"][name] for name in ("a", "b", "sink")} == {0}, status
     assert "the launcher died before the run ended" in status["reason"]
 
 

@@ -243,6 +243,9 @@ def _storage_error(exc: BaseException | None) -> OSError | None:
     return None
 
 
+_ORPHAN_WAIT_S = 3.0
+"""How long a process whose launcher died waits for its siblings' exits before it leaves the
+status to the last of them."""
 ORPHANED_FILE = "status.orphaned.jsonl"
 """Each process whose launcher died appends its exit here (``write_orphaned_status``)."""
 
@@ -257,13 +260,21 @@ def write_orphaned_status(run: RunDir, process: str, code: int) -> None:
     try:
         with open(orphaned, "a", encoding="utf-8") as file:
             file.write(json.dumps(record) + "\n")  # one write: lines of several processes never mix
-        exited = {r["process"]: r["exit_code"] for r in read_jsonl(orphaned).records}
         pids = json.loads(run.pids_path.read_text())["processes"]
+        # A process that finished just before the launcher died exits without a record: it
+        # is waited for, a little (polled: its exit is announced to no one).
+        give_up = time.monotonic() + _ORPHAN_WAIT_S
+        while True:
+            exited = {r["process"]: r["exit_code"] for r in read_jsonl(orphaned).records}
+            running = [name for name, pid in pids.items() if name not in exited and _alive(pid)]
+            if not running:
+                break
+            if time.monotonic() > give_up:
+                return  # not the last one out: the last writes the status
+            time.sleep(0.05)
     except (OSError, ValueError, KeyError) as exc:
         log.warning("%s: cannot record its exit for the run's status: %s", process, exc)
         return
-    if any(name not in exited and _alive(pid) for name, pid in pids.items() if name != process):
-        return  # not the last one out
     failed = [name for name, c in exited.items() if c not in (exits.OK, exits.SIGNAL_BASE + signal.SIGHUP)]
     status = {
         "exit_code": exits.FAILED if failed else exits.LAUNCHER_KILLED,
