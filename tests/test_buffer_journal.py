@@ -140,6 +140,7 @@ async def test_a_killed_buffer_restarts_with_its_groups_and_decides_nothing_twic
             # again, it gets the same groups, not the next ones.
             await learner.send(BatchRequest(request_id=2, incarnation=0, version=1, num_groups=2))
             assert [g.group.task_id for g in (await _next(learner, Batch)).groups] == ["t0", "t1"]
+            assert second.batches_resent == 1
             await learner.send(BatchRequest(request_id=3, incarnation=0, version=2, num_groups=1))
             assert [g.group.task_id for g in (await _next(learner, Batch)).groups] == ["t2"]
             # Every lease is decided once: a group of a stored task is a duplicate, one of the
