@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import random
@@ -258,7 +259,9 @@ def run_case(seconds: float, *, faults: Faults | None, bad_frames: int) -> dict:
                 while pending and pending[0][0] <= elapsed and launcher.poll() is None:
                     _, fault = pending.pop(0)
                     hit = _strike(run, fault, rng)
-                    if hit is not None:
+                    if hit is None:  # its target is being restarted: strike once it is back
+                        bisect.insort(pending, (elapsed + 1.0, fault))
+                    else:
                         assert faults is not None
                         faults.done.append((time.time(), fault, hit[0]))
                         if fault == "sampler_stop":
