@@ -413,7 +413,14 @@ class Buffer(Actor):
             return False
         del self._pending[peer]
         tasks = [book.store[i].group.task_id for i in range(request.num_groups)]
+        overflow = book.retained_overflow
         self._commit(wal.Handed(request_version=request.version, tasks=tasks, peer=peer))
+        if overflow == 0 and book.retained_overflow:
+            self.ctx.log.warning(
+                "more than max_groups = %d groups handed since the learner's fallback checkpoint: a learner "
+                "resume from it could not train the oldest again (checkpoint more often, or raise max_groups)",
+                self.config.max_groups,
+            )
         groups = book.handed_for(request.version, peer)
         await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)

@@ -171,6 +171,9 @@ class BufferBook:
         self.codec = GroupCodec()
         self.max_retained = max_retained
         """Most handed groups kept (without checkpoints nothing else bounds them)."""
+        self.retained_overflow = 0
+        """Handed groups let go before a checkpoint made them durable (a learner resume
+        from that checkpoint cannot train them again)."""
         self.incarnation = 0
         """This Buffer's incarnation (one more per restart or resume)."""
         self.learner_incarnation = 0
@@ -235,6 +238,7 @@ class BufferBook:
                 self.retained.extend((version, peer, g) for g in groups)
                 while len(self.retained) > self.max_retained:
                     self.retained.popleft()
+                    self.retained_overflow += 1
                 self.counters["groups_trained"] += len(groups)
                 self.counters["batches_served"] += 1
                 self.learner_version = max(self.learner_version, version)
