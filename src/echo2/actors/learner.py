@@ -406,17 +406,17 @@ class Learner(Actor):
         it is sent again once the connection to the Buffer dropped (and, as a safety net,
         every ``batch_resend_s`` without an answer). Every answer for that version holds the
         same groups (the Buffer hands a version's batch once); the first is trained, the
-        others are dropped."""
-        while True:
-            if self._request_unsent:
-                await self._send_request()
-            try:
-                async with asyncio.timeout(_REQUEST_CHECK_S):
-                    while True:
-                        message = await self._batches.recv()
-                        if isinstance(message, Batch) and message.request_id in self._request_ids:
-                            return message
-            except TimeoutError:
+        others are dropped. The receive is never cancelled to look at the connection (a
+        message it had taken could be lost with it): it runs on while the connection is
+        checked beside it."""
+        async with asyncio.TaskGroup() as group:
+            arrival = group.create_task(self._next_batch())
+            while not arrival.done():
+                if self._request_unsent:
+                    await self._send_request()
+                await asyncio.wait({arrival}, timeout=_REQUEST_CHECK_S)
+                if arrival.done():
+                    break
                 dropped = self._batches.statistics().disconnects > self._request_disconnects
                 waited = time.monotonic() - self._request_sent_at
                 if dropped or waited >= self.config.batch_resend_s:
@@ -424,6 +424,13 @@ class Learner(Actor):
                     self.ctx.log.info("%s: asking again for the batch of version %d", why, self._request_version)
                     self.batch_requests_resent += 1
                     self._request_unsent = True
+        return arrival.result()
+
+    async def _next_batch(self) -> Batch:
+        while True:
+            message = await self._batches.recv()
+            if isinstance(message, Batch) and message.request_id in self._request_ids:
+                return message
 
     async def _publish(self) -> None:
         tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16
