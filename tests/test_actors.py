@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,9 +53,20 @@ def _addresses(actor: Actor, prefix: str) -> dict[str, PortAddresses]:
 
 
 @contextlib.asynccontextmanager
-async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
+async def running(
+    actor: Actor, transport: Transport, run_dir: Path | None = None, resume: bool = False
+) -> AsyncIterator[str]:
+    """``actor`` running alone (in ``run_dir``, as a ``--resume`` if ``resume``); yields the
+    prefix of its inproc addresses."""
     prefix = f"t-{actor.name}-{id(actor):x}"
-    runtime = ProcessRuntime([actor], {actor.name: _addresses(actor, prefix)}, transport=transport, drain_timeout_s=2.0)
+    runtime = ProcessRuntime(
+        [actor],
+        {actor.name: _addresses(actor, prefix)},
+        transport=transport,
+        run_dir=run_dir,
+        resume=resume,
+        drain_timeout_s=2.0,
+    )
     async with asyncio.TaskGroup() as group:
         group.create_task(runtime.run())
         await runtime.wait_ready()

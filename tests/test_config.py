@@ -48,6 +48,7 @@ ENUM_TYPOS = {
     "actors.sampler.config.weights_data_plane": ("tcp", "Expected one of 'stream', 'zmq', got 'tcp'"),
     "actors.weight_publisher.config.mode": ("chain", "Expected one of 'relay', 'star', 'striped', got 'chain'"),
     "actors.prompt_source.config.journal_fsync": ("fsync", "Expected one of 'always', 'none', got 'fsync'"),
+    "actors.buffer.config.journal_fsync": ("sync", "Expected one of 'always', 'none', got 'sync'"),
     "actors.prompt_source.config.activation": (
         "cost-aware",
         "Expected one of 'all', 'cost_aware', 'random', got 'cost-aware'",
@@ -79,6 +80,10 @@ BOUND_TYPOS = [
     ("actors.prompt_source.config.gamma", "0.9", "Expected `float` >= 1.0"),
     ("actors.weight_publisher.config.send_timeout_s", "-1", "Expected `float` > 0.0"),
     ("actors.buffer.config.max_groups", "0", "Expected `int` >= 1"),
+    ("actors.buffer.config.journal_compact_records", "0", "Expected `int` >= 1"),
+    ("actors.buffer.config.journal", '"yes"', "Expected `bool`, got `str`"),
+    ("actors.prompt_source.config.journal", "1", "Expected `bool`, got `int`"),
+    ("actors.learner.config.batch_resend_s", "0", "Expected `float` > 0.0"),
 ]
 
 

@@ -271,6 +271,12 @@ def test_children_of_a_killed_launcher_drain_and_log_to_their_files(tmp_path: Pa
         log = run.log_path(name).read_text()
         assert "running until stopped" in log  # copied by the launcher while it lived
         assert f"launcher (pid {proc.pid}) exited" in log and f"actor {name} finished" in log, log
+    # The last process out wrote the status the launcher could not.
+    status = json.loads(run.status_path.read_text())
+    assert status["exit_code"] == 137 and set(status["processes"]) == set(pids), status
+    # The source (count = 0) may have finished before the launcher died: its exit is unknown.
+    assert {status["processes"][name] for name in ("a", "b", "sink")} == {0}, status
+    assert "the launcher died before the run ended" in status["reason"]
 
 
 STARVED = """

@@ -827,6 +827,9 @@ class LearnerProgress(Message, frozen=True):
     """Rollouts each sampler has had stored, cumulative (the scheduler's mu_i)."""
     incarnation: int = 0
     """The learner's incarnation (admission rejects versions of a later one)."""
+    buffer_incarnation: int = 0
+    """The Buffer's own incarnation (one more per restart of its process or resume; 0
+    without a journal): counters of a later one supersede an earlier one's."""
 
 
 class LeaseClosed(Message, frozen=True):

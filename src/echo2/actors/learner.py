@@ -43,6 +43,7 @@ summary either way; ``summary.json`` says which (``stopped_by``, ``max_steps``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter, deque
@@ -96,6 +97,10 @@ if TYPE_CHECKING:
 
 _FINAL_NOTICE_TIMEOUT_S = 1.0
 """Seconds a stopping learner offers the Buffer its final checkpoint's notice."""
+_REQUEST_QUEUE_S = 0.05
+"""How long a batch request may wait to be queued before the step goes on without it."""
+_REQUEST_CHECK_S = 0.5
+"""While waiting for a batch: how often the connection to the Buffer is checked."""
 
 StoppedBy = Literal["max_steps", "max_wall_s", "stop_request"]
 """Why the learner's loop ended, as ``summary.json`` records it (``stopped_by``)."""
@@ -173,6 +178,9 @@ class LearnerConfig(ActorConfig, frozen=True):
     top-p (n >= k; 0: n = k). A larger n lowers the estimator's variance."""
     checkpoint_every: Annotated[int, Meta(ge=0)] = 100
     """Steps between checkpoints in the run directory (0: only the final one)."""
+    batch_resend_s: Annotated[float, Meta(gt=0)] = 30.0
+    """Seconds without an answer after which a batch request is sent again (it is sent again
+    at once when the connection to the Buffer drops: a restarted Buffer lost it)."""
     log_every: Annotated[int, Meta(ge=1)] = 10
     """Steps between two progress lines in the log (every step is in the metrics)."""
     incarnation: Annotated[int, Meta(ge=0)] = 0
@@ -233,6 +241,7 @@ class Learner(Actor):
             # A Batch is groups_per_step groups and the Buffer's counters.
             max_message_bytes=self.job.groups_per_step * rollout_group_max_bytes(self.job) + (1 << 20),
         )
+        self._batches.monitor_disconnects()  # a dropped connection: the Buffer may have restarted
         self._snapshots = ctx.open("snapshots")
 
     def _build(self) -> None:
@@ -262,6 +271,13 @@ class Learner(Actor):
         self.evals: list[HeldoutScore] = []
         self.buffer_stats: BufferStats | None = None  # the Buffer's counters with the last batch
         self._request_id = 0
+        self._request_version = -1
+        self._request_ids: set[int] = set()
+        """The ids of the requests for ``_request_version``: a batch answering any is its batch."""
+        self._request_unsent = False
+        self._request_sent_at = 0.0
+        self._request_disconnects = 0
+        self.batch_requests_resent = 0
         self._recent_train_s: deque[float] = deque(maxlen=20)
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
@@ -376,20 +392,60 @@ class Learner(Actor):
         )
 
     async def _request(self, version: int | None = None) -> None:
+        """Ask the Buffer for the batch of ``version`` (default: the current one). A request
+        the Buffer cannot take now (its process is restarting) is sent by ``_receive_batch``."""
+        version = self.version if version is None else version
+        if version != self._request_version:
+            self._request_version, self._request_ids = version, set()
+        self._request_unsent = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_REQUEST_QUEUE_S):  # not held up by a Buffer that is down
+                await self._send_request()
+
+    async def _send_request(self) -> None:
         self._request_id += 1
+        self._request_ids.add(self._request_id)
+        self._request_sent_at = time.monotonic()
+        self._request_disconnects = self._batches.statistics().disconnects
         await self._batches.send(
             BatchRequest(
                 request_id=self._request_id,
                 incarnation=self.incarnation,
-                version=self.version if version is None else version,
+                version=self._request_version,
                 num_groups=self.job.groups_per_step,
             )
         )
+        self._request_unsent = False
 
     async def _receive_batch(self) -> Batch:
+        """The batch of the version last requested. A restarted Buffer has lost the request:
+        it is sent again once the connection to the Buffer dropped (and, as a safety net,
+        every ``batch_resend_s`` without an answer). Every answer for that version holds the
+        same groups (the Buffer hands a version's batch once); the first is trained, the
+        others are dropped. The receive is never cancelled to look at the connection (a
+        message it had taken could be lost with it): it runs on while the connection is
+        checked beside it."""
+        async with asyncio.TaskGroup() as group:
+            arrival = group.create_task(self._next_batch())
+            while not arrival.done():
+                if self._request_unsent:
+                    await self._send_request()
+                await asyncio.wait({arrival}, timeout=_REQUEST_CHECK_S)
+                if arrival.done():
+                    break
+                dropped = self._batches.statistics().disconnects > self._request_disconnects
+                waited = time.monotonic() - self._request_sent_at
+                if dropped or waited >= self.config.batch_resend_s:
+                    why = "the connection to the Buffer dropped" if dropped else f"no answer in {waited:.0f} s"
+                    self.ctx.log.info("%s: asking again for the batch of version %d", why, self._request_version)
+                    self.batch_requests_resent += 1
+                    self._request_unsent = True
+        return arrival.result()
+
+    async def _next_batch(self) -> Batch:
         while True:
             message = await self._batches.recv()
-            if isinstance(message, Batch):
+            if isinstance(message, Batch) and message.request_id in self._request_ids:
                 return message
 
     def _record_lora(self) -> None:

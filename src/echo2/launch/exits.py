@@ -25,6 +25,9 @@ DEADLINE = 124
 SIGNAL_BASE = 128
 """Stopped by signal N: 128 + N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), as shells report it."""
 SIGINT = SIGNAL_BASE + signal.SIGINT
+LAUNCHER_KILLED = SIGNAL_BASE + signal.SIGKILL
+"""``status.json``'s code when the launcher died without writing it (a launcher stops only
+by SIGKILL that way); its processes, which drained by themselves, write it."""
 
 LAUNCHER_DIED = signal.SIGHUP
 """What the kernel sends a child when its launcher dies (``PR_SET_PDEATHSIG``, which the
