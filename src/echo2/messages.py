@@ -391,7 +391,15 @@ class PublisherStats(Statistics, frozen=True):
     uplink_bytes: int = 0
     latest_version: int = -1
     t_bcast_s: float = -1.0
-    """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
+    """Broadcast time (publication to ceil(active / gamma) installs): the median of the
+    recent versions that reached it, or, when recent versions stop short of it (superseded,
+    slow members), the longest one streamed without reaching it (a lower bound:
+    ``t_bcast_lower_bound``); -1: none yet."""
+    t_bcast_lower_bound: bool = False
+    held: int = 0
+    """Times a newer snapshot waited for the version in flight to land (adaptive publication)."""
+    broadcast_bound: bool = False
+    """T_bcast exceeds kappa x T_train: broadcast, not training, sets the pace."""
     refused_subscribers: dict[str, int] = {}
     """``WeightSubscribe`` claims to a name refused, by ``RefusalReason``."""
     unbound_dropped: dict[str, int] = {}
@@ -784,6 +792,9 @@ class Snapshot(Message, _Versioned, frozen=True):
     tensors: list[TensorSpec]
     data: np.ndarray  # uint8 (total_bytes,)
     created_at_s: float
+    train_s: float = 0.0
+    """The learner's recent mean seconds per update (T_train; 0: not measured yet): the
+    publisher holds it against T_bcast (``echo2.capacity.publication``)."""
 
 
 class WeightDelta(msgspec.Struct, frozen=True):

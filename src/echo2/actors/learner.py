@@ -386,6 +386,7 @@ class Learner(Actor):
                 tensors=specs,
                 data=flat,
                 created_at_s=time.time(),
+                train_s=_mean(self._recent_train_s),
             )
         )
 

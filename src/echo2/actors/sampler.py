@@ -356,7 +356,8 @@ class Sampler(Actor):
             if self._work.due(now):
                 await self._state_work()
             silent_s = now - self._answered_s
-            waiting = self._work.sync > self._work.acked
+            # Short of work, and our states unanswered: a full sampler needs no answer.
+            waiting = self._work.sync > self._work.acked and len(self._work.held) < self._work.capacity
             if (
                 waiting
                 and silent_s >= self.config.unreachable_log_s
