@@ -5,6 +5,7 @@ once the link returns (``echo2.actors.work_state``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,13 @@ async def test_a_sampler_cut_off_from_its_prompt_source_trains_again_when_the_li
     assert source.statistics().leases_lost_in_transit >= 1
     report = audit([tmp_path])
     assert report.ok and not report.lost and not report.duplicated, report
+    # The weight path's counters are in the run's metrics, not only in heartbeats: the
+    # last ``stats`` record of each is written as the actor stops.
+    for actor, kind, counted in (
+        ("sampler", "SamplerStats", "installs"),
+        ("weight_publisher", "PublisherStats", "published"),
+    ):
+        lines = [json.loads(line) for line in (tmp_path / "metrics" / f"{actor}.jsonl").read_text().splitlines()]
+        last = [r for r in lines if r["kind"] == "stats"][-1]
+        assert last["type"] == kind and last[counted] >= 1, last
+    assert {"repair_bytes_sent", "superseded", "members_expired", "send_failures"} <= last.keys()

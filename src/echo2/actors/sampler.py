@@ -52,7 +52,7 @@ import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
+from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped, until_stopping
 from echo2.actors.work_state import SamplerWork
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import ModelMismatch, TransportError
@@ -78,6 +78,10 @@ from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler
 from echo2.weights.link import LinkSpec
 from echo2.weights.plan import DataPlane
+
+STATS_RECORD_S = 5.0
+"""Seconds between two ``stats`` records (generation and weight-path counters) in the
+sampler's metrics file; a last one as it stops."""
 
 
 class SamplerConfig(ActorConfig, frozen=True):
@@ -304,7 +308,12 @@ class Sampler(Actor):
             # Until the process stops, or the PromptSource says the run is over (RunEnded):
             # then this actor returns, which completes the run for its process.
             loops = run_until_stopped(
-                self._run_ended, self._receive_leases(), self._receive_weights(), self._generate(), self._restate()
+                self._run_ended,
+                self._receive_leases(),
+                self._receive_weights(),
+                self._generate(),
+                self._restate(),
+                record_statistics(self, STATS_RECORD_S),
             )
             await until_stopping(self.ctx.stopping, loops)
 

@@ -51,7 +51,7 @@ from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta
 
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped
 from echo2.capacity.publication import Bottleneck, PublicationPolicy
 from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
@@ -93,6 +93,9 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     S (``echo2.capacity.publication``); "every": each snapshot at once, superseding it."""
 
 
+STATS_RECORD_S = 5.0
+"""Seconds between two ``stats`` records (the weight path's counters: repairs, forward and
+send failures, supersessions, expiries, bytes) in the publisher's metrics file."""
 BOTTLENECK_LOG_S = 30.0
 """Seconds between two log lines saying that broadcast is the bottleneck."""
 
@@ -205,7 +208,11 @@ class WeightPublisher(Actor):
 
     async def run(self) -> None:
         await run_until_stopped(
-            self.ctx.stopping, self._receive_snapshots(), self._publish_snapshots(), self.broadcaster.run()
+            self.ctx.stopping,
+            self._receive_snapshots(),
+            self._publish_snapshots(),
+            self.broadcaster.run(),
+            record_statistics(self, STATS_RECORD_S),
         )
 
     async def _receive_snapshots(self) -> None:
