@@ -301,13 +301,19 @@ process = "main"
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("stop", [pytest.param("SIGINT", marks=pytest.mark.slow), "deadline"])
+@pytest.mark.parametrize(
+    "stop",
+    [pytest.param("SIGINT", marks=pytest.mark.slow), "deadline", pytest.param("max_wall_s", marks=pytest.mark.slow)],
+)
 def test_a_starved_learner_stopped_writes_its_summary_and_exits_non_zero(tmp_path: Path, stop: str) -> None:
     # No sampler: no batch ever reaches the learner, which waits until it is stopped. The
     # deadline may pass while the learner's process still starts (imports, the model): it
     # drains all the same.
     topology = write(tmp_path, STARVED)
-    deadline = ["--set", "run.deadline_s=3.0"] if stop == "deadline" else []
+    deadline = {
+        "deadline": ["--set", "run.deadline_s=3.0"],
+        "max_wall_s": ["--set", "actors.learner.config.max_wall_s=1.0"],  # the learner's own budget
+    }.get(stop, [])
     with start(topology, "--run-dir", tmp_path / "runs", *deadline) as proc:
         seen: list[str] = []
         assert proc.stdout is not None
@@ -316,14 +322,18 @@ def test_a_starved_learner_stopped_writes_its_summary_and_exits_non_zero(tmp_pat
             proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         code = proc.wait()
-    expected_code, reason = (
-        (130, "SIGINT received") if stop == "SIGINT" else (124, "deadline of 3 s reached before the run completed")
-    )
+    expected_code, reason = {
+        "SIGINT": (130, "SIGINT received"),
+        "deadline": (124, "deadline of 3 s reached before the run completed"),
+        "max_wall_s": (124, "process 'main' stopped (max_wall_s) before training any step"),
+    }[stop]
     assert code == expected_code, "".join(seen) + rest
     run = RunDir(the_run_dir(tmp_path / "runs"))
     summary = json.loads(run.summary_path.read_text())
-    assert summary["steps"] == 0 and summary["max_steps"] == 5 and summary["stopped_by"] == "stop_request"
-    assert "done (stopped before max_steps): 0 of 5 steps" in rest, rest
+    stopped_by = "max_wall_s" if stop == "max_wall_s" else "stop_request"
+    assert summary["steps"] == 0 and summary["max_steps"] == 5 and summary["stopped_by"] == stopped_by
+    stopped = "wall-clock budget reached" if stop == "max_wall_s" else "stopped before max_steps"
+    assert f"done ({stopped}): 0 of 5 steps" in rest, rest
     assert "cancelling actors" not in rest, rest  # it returned by itself, well before the drain deadline
     status = json.loads(run.status_path.read_text())
     assert status["exit_code"] == expected_code and status["reason"] == f"{reason} (0 steps trained)"

@@ -261,7 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for run_dir in args.run_dirs:
         if not RunDir(run_dir).ledger_dir.is_dir() and not RunDir(run_dir).is_run_dir():
-            print(f"echo2.audit: {run_dir}: neither a ledger/ nor topology.resolved.json (not a run dir?)", file=sys.stderr)
+            print(
+                f"echo2.audit: {run_dir}: neither a ledger/ nor topology.resolved.json (not a run dir?)",
+                file=sys.stderr,
+            )
             return 2
     report = audit(args.run_dirs)
     if args.json:
