@@ -54,4 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from echo2.launch.exits import exit_process
+
+    exit_process(main())  # after destroy_process_group: no finalization racing gloo's or torch's threads
