@@ -205,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
             return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
+    # The report is about the trusted side's records (steps, activation, broadcast): a host
+    # of workers only has none, and its launcher exits with its samplers instead of after
+    # seconds of plotting nothing.
+    reported = any(a.cls.trusted for name in names for a in topology.actors_in(name))
     launcher = Launcher(resolved, resolved_path, names, completes)
     try:
         return asyncio.run(launcher.run())
@@ -212,9 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exits.SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
-            from echo2.tools.report import write_report
+            if reported:
+                from echo2.tools.report import write_report
 
-            write_report(run_dir)
+                write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
 
