@@ -6,8 +6,10 @@ would restore overlap (``echo2.capacity.publication``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from echo2.capacity.publication import PublicationPolicy
 from echo2.job import JobConfig
 from echo2.messages import Snapshot, TensorSpec, WeightManifest, WeightsInstalled, WeightSubscribe
 from echo2.transport import Transport
+from echo2.transport.endpoint import DealerEndpoint, PushEndpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,6 +84,26 @@ def test_versions_that_never_land_raise_the_t_bcast_estimate_and_the_bottleneck_
 # -- the actor ------------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _with_a_member(
+    publisher: WeightPublisher, transport: Transport
+) -> AsyncIterator[tuple[PushEndpoint, DealerEndpoint]]:
+    """The publisher running, a learner's snapshot PUSH and one subscribed member that never
+    opens its relay inbox (so it installs nothing unless told it did)."""
+    from tests.test_actors import running
+
+    async with running(publisher, transport) as p:
+        learner = transport.push(name="learner", connect=[f"inproc://{p}/snapshots"])
+        member = transport.dealer(name="m", connect=[f"inproc://{p}/weights"], identity=b"m/1")
+        try:
+            await member.send(WeightSubscribe(sampler_id="m", relay_address="tcp://127.0.0.1:1"))
+            await publisher.broadcaster.wait_members(1)
+            yield learner, member
+        finally:
+            learner.close()
+            member.close()
+
+
 def _snapshot(version: int, train_s: float = 0.05) -> Snapshot:
     data = np.full(64 * 1024, version % 251, dtype=np.uint8)
     spec = TensorSpec(name="w", dtype="uint8", shape=(data.size,), offset=0, nbytes=data.size)
@@ -97,32 +120,22 @@ async def test_a_publisher_whose_member_never_installs_publishes_less_often_and_
     version is superseded only once the learner passed it by S, so about one snapshot in
     four is published, and the log names what would restore overlap; "every" publishes
     each one."""
-    from tests.test_actors import running
-
     published: dict[str, int] = {}
     for mode in ("adaptive", "every"):
         job = JobConfig(staleness=8)
         publisher = WeightPublisher("pub", WeightPublisherConfig(publication=mode, member_ttl_s=60.0), job)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="echo2.pub"):
-            async with running(publisher, transport) as p:
-                learner = transport.push(name="learner", connect=[f"inproc://{p}/snapshots"])
-                member = transport.dealer(name="m", connect=[f"inproc://{p}/weights"], identity=b"m/1")
-                try:
-                    await member.send(WeightSubscribe(sampler_id="m", relay_address="tcp://127.0.0.1:1"))
-                    await publisher.broadcaster.wait_members(1)
-                    for version in range(0, 40, 2):
-                        await learner.send(_snapshot(version))
-                        await asyncio.sleep(0.05)  # the learner's pace: one snapshot per 50 ms
-                    await asyncio.sleep(0.2)
-                    stats = publisher.statistics()
-                    published[mode] = stats.published
-                    if mode == "adaptive":
-                        assert stats.held > 0 and stats.broadcast_bound
-                        assert stats.t_bcast_s > 0.1 and stats.t_bcast_lower_bound
-                finally:
-                    learner.close()
-                    member.close()
+            async with _with_a_member(publisher, transport) as (learner, _):
+                for version in range(0, 40, 2):
+                    await learner.send(_snapshot(version))
+                    await asyncio.sleep(0.05)  # the learner's pace: one snapshot per 50 ms
+                await asyncio.sleep(0.2)
+                stats = publisher.statistics()
+                published[mode] = stats.published
+                if mode == "adaptive":
+                    assert stats.held > 0 and stats.broadcast_bound
+                    assert stats.t_bcast_s > 0.1 and stats.t_bcast_lower_bound
         if mode == "adaptive":
             lines = [r.getMessage() for r in caplog.records if "broadcast is the bottleneck" in r.getMessage()]
             assert len(lines) == 1 and "S >=" in lines[0] and "per version" in lines[0], lines
@@ -131,29 +144,17 @@ async def test_a_publisher_whose_member_never_installs_publishes_less_often_and_
 
 
 async def test_an_installed_version_releases_the_waiting_snapshot_at_once(transport: Transport) -> None:
-    from tests.test_actors import running
-
     publisher = WeightPublisher("pub", WeightPublisherConfig(member_ttl_s=60.0), JobConfig(staleness=20))
-    async with running(publisher, transport) as p:
-        learner = transport.push(name="learner", connect=[f"inproc://{p}/snapshots"])
-        member = transport.dealer(name="m", connect=[f"inproc://{p}/weights"], identity=b"m/1")
-        try:
-            await member.send(WeightSubscribe(sampler_id="m", relay_address="tcp://127.0.0.1:1"))
-            await publisher.broadcaster.wait_members(1)
-            for version in (0, 2, 4):
-                await learner.send(_snapshot(version))
-                await asyncio.sleep(0.05)
-            # v0 in flight (S = 20: it may take long), v2 skipped, v4 waiting.
-            while not isinstance(manifest := await member.recv(), WeightManifest):
-                pass
-            assert manifest.version == 0 and publisher.statistics().published == 1
-            await member.send(
-                WeightsInstalled(sampler_id="m", incarnation=0, version=0, install_s=0.0, time_s=time.time())
-            )
-            while not isinstance(manifest := await member.recv(), WeightManifest):
-                pass
-            assert manifest.version == 4  # the newest, right after v0 landed
-            assert publisher.statistics().skipped == 1
-        finally:
-            learner.close()
-            member.close()
+    async with _with_a_member(publisher, transport) as (learner, member):
+        for version in (0, 2, 4):
+            await learner.send(_snapshot(version))
+            await asyncio.sleep(0.05)
+        # v0 in flight (S = 20: it may take long), v2 skipped, v4 waiting.
+        while not isinstance(manifest := await member.recv(), WeightManifest):
+            pass
+        assert manifest.version == 0 and publisher.statistics().published == 1
+        await member.send(WeightsInstalled(sampler_id="m", incarnation=0, version=0, install_s=0.0, time_s=time.time()))
+        while not isinstance(manifest := await member.recv(), WeightManifest):
+            pass
+        assert manifest.version == 4  # the newest, right after v0 landed
+        assert publisher.statistics().skipped == 1
