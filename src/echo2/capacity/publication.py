@@ -81,7 +81,8 @@ class PublicationPolicy:
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=WINDOW)
         self._kappa: int | None = None
         self.held = 0
-        """Times a snapshot was held back while the version in flight finished."""
+        """Snapshots held back (each counted once) while the version in flight finished."""
+        self._last_held = -1
 
     # -- measurements ----------------------------------------------------------------
 
@@ -155,7 +156,9 @@ class PublicationPolicy:
         left_s = (current.version + self.staleness - learner_now) / rate
         if left_s <= 0:
             return 0.0
-        self.held += 1
+        if newest != self._last_held:
+            self._last_held = newest
+            self.held += 1
         return left_s
 
     def bottleneck(self, t_train_s: float, bytes_per_version: int, now_s: float) -> Bottleneck | None:
