@@ -54,6 +54,7 @@ ENUM_TYPOS = {
         "Expected one of 'all', 'cost_aware', 'random', got 'cost-aware'",
     ),
     "processes.learner.restart": ("always", "Expected one of 'never', 'on-failure', got 'always'"),
+    "run.wandb_mode": ("disabled", "Expected one of 'offline', 'online', got 'disabled'"),
 }
 
 IMPORT_PATH_TYPOS = [

@@ -360,6 +360,53 @@ CASES = [
         "hosts.b.port_base",
         "overlap ports",
     ),
+    # elastic workers and run-time addresses (issue 19: join_port, address = "env:VAR")
+    ("join-port-privileged", add("[hosts.local]\njoin_port = 80\n"), "hosts.local.join_port", "below 1024"),
+    (
+        "join-port-on-two-hosts",
+        lambda t: (
+            two_hosts(t).replace('address = "127.0.0.1"', 'address = "10.1.2.2"\njoin_port = 29000')
+            + "join_port = 29000\n"
+        ),
+        "hosts.b.join_port",
+        "only one host answers joins",
+    ),
+    (
+        "join-port-in-the-tcp-range",
+        add("[hosts.local]\nport_base = 29000\njoin_port = 29001\n"),
+        "hosts.local.join_port",
+        "overlap ports",
+    ),
+    (
+        "address-env-malformed",
+        add('[hosts.local]\naddress = "env:1X"\n'),
+        "hosts.local.address",
+        "expected env:VARIABLE",
+    ),
+    (
+        "address-env-unset",
+        add('[hosts.local]\naddress = "env:ECHO2_TEST_SURELY_UNSET"\n'),
+        "hosts.local.address",
+        "ECHO2_TEST_SURELY_UNSET is not set",
+    ),
+    (
+        "metric-writer-unknown",
+        sub("deadline_s = 60.0", 'deadline_s = 60.0\nmetric_writers = ["tensorbord"]'),
+        "run.metric_writers[0]",
+        "Expected one of 'tensorboard', 'wandb'",
+    ),
+    (
+        "sampler-capacity-negative",
+        sampler('engine = "torch", capacity = -1.0'),
+        "actors.sampler.config.capacity",
+        ">= 0",
+    ),
+    (
+        "sampler-goodbye-timeout-negative",
+        sampler('engine = "torch", goodbye_timeout_s = -1.0'),
+        "actors.sampler.config.goodbye_timeout_s",
+        ">= 0",
+    ),
 ]
 
 

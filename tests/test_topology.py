@@ -147,7 +147,7 @@ def test_load_actor_class_by_path() -> None:
         (
             counters(run={"nmae": "x"}),
             "run.nmae: unknown field (allowed: name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, "
-            "record, record_max_mb)",
+            "record, record_max_mb, metric_writers, wandb_project, wandb_mode)",
         ),
         (counters(run={"heartbeat_s": 0}), "run.heartbeat_s: Expected `float` > 0.0"),
         (counters(run="x"), "run: expected a table, got str"),

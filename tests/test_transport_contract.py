@@ -662,7 +662,7 @@ async def test_protocol_doc_example_retries_a_busy_name_checks_the_model_and_ask
             assert await router.recv() == (peer, hello)  # again, on the same connection
             assert await router.send(peer, Welcome(server_id="tasks", accepted=True, model=model_identity("")))
             # Its work state: it can hold 8 leases and holds none (docs/protocol.md section 2).
-            assert await router.recv() == (peer, WorkRequest(sampler_id="stranger", capacity=8, sync=1))
+            assert await router.recv() == (peer, WorkRequest(sampler_id="stranger", max_leases=8, sync=1))
         finally:
             with contextlib.suppress(ProcessLookupError):
                 client.kill()

@@ -38,16 +38,16 @@ from echo2.transport import Transport
 pytestmark = pytest.mark.timeout(60)
 
 
-def _state(capacity: int, held=(), submitted=(), sync: int = 1, acked: int = 0) -> WorkRequest:
+def _state(max_leases: int, held=(), submitted=(), sync: int = 1, acked: int = 0) -> WorkRequest:
     return WorkRequest(
-        sampler_id="s", capacity=capacity, held=list(held), submitted=list(submitted), sync=sync, acked=acked
+        sampler_id="s", max_leases=max_leases, held=list(held), submitted=list(submitted), sync=sync, acked=acked
     )
 
 
 # -- the rule ---------------------------------------------------------------------------
 
 
-def test_credit_is_capacity_minus_held_and_on_their_way_and_only_fenced_leases_are_lost() -> None:
+def test_credit_is_max_leases_minus_held_and_on_their_way_and_only_fenced_leases_are_lost() -> None:
     # Open for this connection: 1, 2 held; 3 answered; 4, 5 sent before the acknowledged
     # grant (fence 5) yet neither held nor answered: lost; 6, 7 sent after it: on their way.
     judged = reconcile(_state(8, held=[1, 2], submitted=[3]), [1, 2, 3, 4, 5, 6, 7], fence=5, max_hold=64)
@@ -68,9 +68,9 @@ def test_the_same_state_twice_grants_the_same_credit_and_more_than_allowed_is_cl
 
 
 def test_a_sampler_states_again_at_once_when_leases_a_grant_counted_never_came() -> None:
-    work = SamplerWork("s", capacity=4, restate_s=2.0)
+    work = SamplerWork("s", max_leases=4, restate_s=2.0)
     first = work.state(PolicyVersion(0, 3))
-    assert (first.capacity, first.held, first.sync, first.acked, first.installed_version) == (4, [], 1, 0, 3)
+    assert (first.max_leases, first.held, first.sync, first.acked, first.installed_version) == (4, [], 1, 0, 3)
     assert not work.due()  # just stated
     for lease_id in (10, 11):
         work.received(lease_id)
@@ -126,18 +126,18 @@ async def test_leases_the_sampler_never_received_are_reissued_at_once(transport:
                 await dealer.send(Hello(peer_id="s", role="sampler"))
                 assert (await next_of(Welcome)).accepted
                 version = {"incarnation": 0, "installed_version": 0}
-                await dealer.send(WorkRequest(sampler_id="s", capacity=4, sync=1, **version))
+                await dealer.send(WorkRequest(sampler_id="s", max_leases=4, sync=1, **version))
                 grant = await next_of(WorkGrant)
                 assert (grant.sync, grant.credits, grant.pending) == (1, 4, 0)
                 leases = [await next_of(TaskLease) for _ in range(4)]
                 kept, lost = leases[:2], leases[2:]
                 held = [lease.lease_id for lease in kept]
                 # Sent after grant 1: on their way as far as the PromptSource knows.
-                await dealer.send(WorkRequest(sampler_id="s", capacity=4, held=held, sync=2, acked=1, **version))
+                await dealer.send(WorkRequest(sampler_id="s", max_leases=4, held=held, sync=2, acked=1, **version))
                 grant = await next_of(WorkGrant)
                 assert (grant.credits, grant.pending, grant.reissued) == (0, 2, 0)
                 # Received none of them before grant 2: they were lost; say so.
-                await dealer.send(WorkRequest(sampler_id="s", capacity=4, held=held, sync=3, acked=2, **version))
+                await dealer.send(WorkRequest(sampler_id="s", max_leases=4, held=held, sync=3, acked=2, **version))
                 grant = await next_of(WorkGrant)
                 assert (grant.credits, grant.pending, grant.reissued) == (2, 0, 2)
                 again = [await next_of(TaskLease) for _ in range(2)]
@@ -148,7 +148,9 @@ async def test_leases_the_sampler_never_received_are_reissued_at_once(transport:
                 # The same state again: credit is set, not added; nothing more is sent.
                 held += [lease.lease_id for lease in again]
                 for sync in (4, 5):
-                    await dealer.send(WorkRequest(sampler_id="s", capacity=4, held=held, sync=sync, acked=3, **version))
+                    await dealer.send(
+                        WorkRequest(sampler_id="s", max_leases=4, held=held, sync=sync, acked=3, **version)
+                    )
                     grant = await next_of(WorkGrant)
                     assert (grant.credits, grant.pending, grant.reissued) == (0, 0, 0)
                 assert source.statistics().open_leases == 4

@@ -204,6 +204,80 @@ class SayHello(Message, frozen=True):
     server_id: str
 
 
+class Goodbye(Message, frozen=True):
+    """Sampler -> PromptSource on ``tasks``, as the sampler leaves a run that goes on (its
+    process stopped: Ctrl-C, SIGTERM, an elastic worker scaled down). The leases it holds go
+    back now, not at their deadlines: the PromptSource expires them at once (the Buffer
+    still settles each, so a group already stored stays stored and one still on its way
+    arrives late and is not trained), forgets the sampler's credit and name, tells the
+    activation scheduler it is gone, and answers ``GoodbyeSeen``."""
+
+    sampler_id: str
+    reason: str = ""
+
+
+class GoodbyeSeen(Message, frozen=True):
+    """PromptSource -> Sampler on ``tasks``: the answer to ``Goodbye``; ``leases_returned``
+    leases of that sampler were expired for re-issue."""
+
+    server_id: str
+    leases_returned: int = 0
+
+
+# -- joining a running job (python -m echo2.join) --------------------------------------
+
+
+class JoinRequest(Message, frozen=True):
+    """A worker outside the topology -> the join port of a running job's launcher
+    (``[hosts.NAME] join_port``; over CURVE when ``[security] curve``): what it needs to
+    start ``samplers`` samplers in the run. ``name`` is the base of their names (the
+    worker's host name by default); the launcher makes them unique."""
+
+    name: str
+    samplers: int = 1
+    host: str = ""
+    pid: int = 0
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class JoinPort(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one port of a joined sampler connects: a URL per binder of its channel and,
+    per URL, the topology host whose CURVE public key to pin ("" = plain tcp)."""
+
+    connect: list[str] = []
+    curve_servers: list[str] = []
+
+
+class JoinInfo(Message, frozen=True):
+    """The launcher's answer to ``JoinRequest``: accepted with everything a sampler needs
+    to join (addresses, the job, the declared samplers' portable settings, the CURVE public
+    keys of the hosts it connects to), or refused with a reason. The model's identity is
+    checked at the PromptSource's ``Welcome``; weights come on the ``weights`` channel,
+    the current version first."""
+
+    server_id: str
+    accepted: bool
+    reason: str = ""
+    protocol_version: int = PROTOCOL_VERSION
+    run_id: str = ""
+    names: list[str] = []
+    """One unique name per sampler asked for."""
+    job: dict[str, Any] = {}
+    """The ``[job]`` table as the run resolved it (``echo2.job.JobConfig``)."""
+    sampler_config: dict[str, Any] = {}
+    """The first declared sampler's config, less the settings of its own machine (its
+    ``Sampler.host_local_fields``): defaults the worker's ``--set`` overrides."""
+    ports: dict[str, JoinPort] = {}
+    """Port name of a Sampler -> where it connects."""
+    telemetry: JoinPort = msgspec.field(default_factory=JoinPort)
+    """Where heartbeats go (the activation scheduler measures workers from them)."""
+    curve: bool = False
+    curve_public_keys: dict[str, str] = {}
+    """Host -> its CURVE public key (Z85), for the hosts named in ``curve_servers``."""
+    heartbeat_s: float = 1.0
+    drain_timeout_s: float = 10.0
+
+
 class EndOfStreamMsg(Message, frozen=True):
     """A producer will send nothing more on this channel."""
 
@@ -266,7 +340,7 @@ class SamplerStats(Statistics, frozen=True):
     """Successors skipped for a version: their stream took no byte in the forward timeout,
     or could not be opened."""
     work_states: int = 0
-    """Work states sent (``WorkRequest`` with ``capacity``: ``echo2.actors.work_state``)."""
+    """Work states sent (``WorkRequest`` with ``max_leases``: ``echo2.actors.work_state``)."""
     work_restates_for_loss: int = 0
     """Of those, sent at once because leases a grant said were on their way never came."""
     installed_version: int = -1
@@ -275,6 +349,9 @@ class SamplerStats(Statistics, frozen=True):
     wait_weights_s: float = 0.0
     price_per_hour: float = 0.0
     """Dollars per hour this worker costs (cost-aware activation)."""
+    declared_rollouts_per_s: float = 0.0
+    """Rollouts per second this worker says it delivers (``SamplerConfig.capacity``): the
+    scheduler's estimate of it until it is measured (0: not declared)."""
 
 
 BatchClampReason = Literal["above_groups_per_step", "above_capacity"]
@@ -330,7 +407,11 @@ class PromptSourceStats(Statistics, frozen=True):
     """Leases a sampler's work state showed it never received (sent before a grant it
     acknowledged: lost with a torn connection), re-issued at once."""
     work_states: int = 0
-    """Work states (``WorkRequest`` with ``capacity``) reconciled."""
+    """Work states (``WorkRequest`` with ``max_leases``) reconciled."""
+    samplers_left: int = 0
+    """Samplers that said ``Goodbye`` (left a run that goes on)."""
+    leases_returned_on_leaving: int = 0
+    """Their leases, expired for re-issue when they left instead of at their deadlines."""
     refused: dict[str, int] = {}
     """Hellos refused, by ``RefusalReason``."""
     unwelcomed_dropped: dict[str, int] = {}
@@ -502,22 +583,22 @@ class WorkRequest(Message, frozen=True):
     has installed ((-1, -1): none). A sampler whose installed version is older than the
     staleness bound admits is given no leases until it reports a newer one.
 
-    Two forms. With ``capacity >= 0`` it is a *work state*, idempotent: the sampler states
-    how many leases it can hold (``capacity``), the leases it holds (``held``: received, not
+    Two forms. With ``max_leases >= 0`` it is a *work state*, idempotent: the sampler states
+    how many leases it can hold (``max_leases``), the leases it holds (``held``: received, not
     yet answered) and the ones it answered lately (``submitted``); the PromptSource sets its
-    credit to ``capacity`` minus what it holds, re-issues at once the leases it sent that
+    credit to ``max_leases`` minus what it holds, re-issues at once the leases it sent that
     the sampler never received, and answers with ``WorkGrant(sync)``. ``acked`` names the
     last ``WorkGrant`` received: every lease sent before it has arrived or was lost, so
     only those are judged lost. A lost state or grant is repaired by the next state; a
     sampler sends one after each batch, each install, and every few seconds while it holds
-    fewer than ``capacity``. With ``capacity = -1`` (the older form) ``credits`` more leases
+    fewer than ``max_leases``. With ``max_leases = -1`` (the older form) ``credits`` more leases
     are granted, adding up; a request lost with a torn connection stays lost."""
 
     sampler_id: str
     credits: int = 0
     incarnation: int = -1
     installed_version: int = -1
-    capacity: int = -1
+    max_leases: int = -1
     """Leases this sampler can hold at once (-1: the older form: ``credits`` adds up)."""
     held: list[int] = []
     """Lease ids received and not yet answered (being generated or queued)."""
@@ -530,7 +611,7 @@ class WorkRequest(Message, frozen=True):
 
     @property
     def states_work(self) -> bool:
-        return self.capacity >= 0
+        return self.max_leases >= 0
 
     @property
     def installed(self) -> PolicyVersion:
@@ -539,7 +620,7 @@ class WorkRequest(Message, frozen=True):
 
 class WorkGrant(Message, frozen=True):
     """PromptSource -> sampler on ``tasks``: the answer to a work state (``WorkRequest`` with
-    ``capacity``). Every lease sent before it on this connection has arrived before it.
+    ``max_leases``). Every lease sent before it on this connection has arrived before it.
 
     ``credits`` leases follow (unless the window is full); ``pending`` leases were counted
     as on their way when the state was judged (sent after the grant it acknowledged): a
@@ -937,6 +1018,10 @@ AnyMessage = (
     | SayHello
     | RunEnded
     | RunEndedSeen
+    | Goodbye
+    | GoodbyeSeen
+    | JoinRequest
+    | JoinInfo
     | EndOfStreamMsg
     | Heartbeat
     | LearnerMetrics

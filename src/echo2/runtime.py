@@ -14,7 +14,8 @@ carries every actor's ``statistics()`` record and what each endpoint discarded.
 
 With ``metrics_port`` set (``[hosts.NAME] metrics_port`` in a topology) the process serves
 ``/metrics`` and ``/health`` on its own loop from the start of setup to the end of teardown
-(``echo2.observe``).
+(``echo2.observe``). ``metric_writers`` (``[run] metric_writers``: TensorBoard, W&B) get
+every record of the actor that completes the run (the learner), as it is written.
 
 The program each launched process runs is ``echo2.launch.child``.
 """
@@ -28,8 +29,9 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from echo2.actor import Actor, ActorContext, PortAddresses
 from echo2.errors import ActorFailed
@@ -38,6 +40,7 @@ from echo2.messages import HEARTBEAT_TOPIC, ActorStats, CustomStats, EndpointHea
 from echo2.observe.health import ActorState, ProcessHealth, health_routes, heartbeat_timeout_s
 from echo2.observe.http import serve
 from echo2.observe.metrics import ProcessSnapshot, RecordTracker, exposition, process_families
+from echo2.observe.writers import RecordFanout
 from echo2.transport import PublisherEndpoint, SocketOptions, Transport
 from echo2.transport.auth import CurveSettings
 from echo2.transport.recording import RecordingSettings
@@ -66,8 +69,10 @@ class ProcessRuntime:
         metrics_port: int = 0,
         recording: RecordingSettings | None = None,
         job_objects: JobObjects | None = None,
+        metric_writers: RecordFanout | None = None,
     ) -> None:
         self.actors = list(actors)
+        self._writers = metric_writers
         self.metrics_port = metrics_port
         """Port of this process's /metrics and /health (0: not served)."""
         self._records = RecordTracker()
@@ -150,6 +155,8 @@ class ProcessRuntime:
                 ):
                     # Before any CURVE server binds: without a ZAP handler it would admit anyone.
                     transport.enable_curve(self._curve.allowed)
+                if self._writers is not None:
+                    stack.callback(self._writers.close)
                 if self.metrics_port:
                     routes = {"/metrics": lambda: exposition(process_families(self.snapshot()))}
                     server = await serve(self.metrics_port, {**routes, **health_routes(self.health)})
@@ -169,7 +176,7 @@ class ProcessRuntime:
                         telemetry=telemetry,
                         curve=self._curve,
                         resume=self.resume,
-                        on_record=self._records.observe if self.metrics_port else None,
+                        on_record=self._on_record(actor),
                         recording=self._recording,
                         job_objects=self.job_objects,
                     )
@@ -246,6 +253,21 @@ class ProcessRuntime:
             heartbeat.cancel()
 
     # -- health and metrics ----------------------------------------------------------
+
+    def _on_record(self, actor: Actor) -> Callable[[str, str, Mapping[str, Any]], None] | None:
+        """Where an actor's ``ctx.record`` lines also go: /metrics, and the metric writers
+        for the actor that completes the run (the learner's metrics)."""
+        sinks = [self._records.observe] if self.metrics_port else []
+        if self._writers is not None and actor.completes_run and actor.trusted:
+            sinks.append(self._writers.write)
+        if len(sinks) < 2:
+            return sinks[0] if sinks else None
+
+        def both(name: str, kind: str, values: Mapping[str, Any]) -> None:
+            for sink in sinks:
+                sink(name, kind, values)
+
+        return both
 
     def health(self) -> ProcessHealth:
         """Ready: every actor set up, none failed, not stopping, heartbeats on time."""

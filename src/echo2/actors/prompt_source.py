@@ -47,6 +47,10 @@ and its open leases are expired now. A sampler whose installed version (reported
 ``WorkRequest``) is older than the learner's next version minus S gets no leases until it
 reports a newer one: its work could not be trained.
 
+Leaving: a sampler that says ``Goodbye`` (its process stopped in a run that goes on) has its
+leases expired now, its credit and name forgotten and the scheduler told (``GoodbyeSeen``
+answers it); workers joined with ``python -m echo2.join`` leave this way.
+
 Shutdown: on ``stopping`` it stops issuing and returns.
 """
 
@@ -82,6 +86,8 @@ from echo2.messages import (
     PROTOCOL_VERSION,
     AdmissionWindow,
     ExpireLease,
+    Goodbye,
+    GoodbyeSeen,
     Heartbeat,
     Hello,
     LearnerProgress,
@@ -241,6 +247,8 @@ class PromptSource(Actor):
                 "leases_withheld_old_version",
                 "leases_lost_in_transit",
                 "work_states",
+                "samplers_left",
+                "leases_returned_on_leaving",
             ),
             0,
         )
@@ -422,6 +430,8 @@ class PromptSource(Actor):
                                 for peer, message in await self._tasks_ep.recv_many():
                                     if isinstance(message, RunEndedSeen):
                                         unacknowledged.discard(peer)
+                                    elif isinstance(message, Goodbye):  # leaving as the run ends
+                                        await self._tasks_ep.send(peer, ended)
         except TimeoutError:
             self.ctx.log.warning(
                 "%d sampler(s) did not acknowledge the end of the run within %g s",
@@ -483,6 +493,8 @@ class PromptSource(Actor):
             for peer, message in await self._tasks_ep.recv_many():
                 if isinstance(message, Hello):
                     await self._greet(peer, message)
+                elif isinstance(message, Goodbye):
+                    await self._farewell(peer, message)
                 elif self._peers.name_of(peer) is None:
                     # Not welcomed (never said Hello, refused, or replaced by its restart):
                     # nothing it sends is served.
@@ -552,6 +564,26 @@ class PromptSource(Actor):
         )
         await self._tasks_ep.send(peer, grant)
 
+    async def _farewell(self, peer: bytes, goodbye: Goodbye) -> None:
+        """A sampler leaves: expire what it holds now, forget it, and say so (``GoodbyeSeen``).
+        A connection never welcomed holds nothing; it is answered all the same."""
+        name = self._peers.name_of(peer)
+        self._credits.pop(peer, None)
+        self._installed.pop(peer, None)
+        self._fences.forget(peer)
+        now = time.monotonic()
+        held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
+        for lease in held:
+            lease.deadline = now
+            heapq.heappush(self._deadlines, (now, lease.lease_id))
+        if name is not None:
+            self._peers.release(peer)
+            self.scheduler.observe_left(name)
+            self.counters["samplers_left"] += 1
+            self.counters["leases_returned_on_leaving"] += len(held)
+            self.ctx.log.info("sampler %s left (%s); re-issuing its %d leases", name, goodbye.reason, len(held))
+        await self._tasks_ep.send(peer, GoodbyeSeen(server_id=self.name, leases_returned=len(held)))
+
     async def _greet(self, peer: bytes, hello: Hello) -> None:
         """Welcome a sampler under its name, or refuse it (``echo2.transport.peers``)."""
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -577,6 +609,7 @@ class PromptSource(Actor):
             )
             await self._tasks_ep.send(peer, welcome)
             return
+        self.scheduler.observe_hello(hello.peer_id)
         # A (re)connecting sampler starts with no credit, and whatever it held before a
         # restart (on this connection or the one it replaces) is gone: expire its leases now
         # instead of waiting for their deadlines.

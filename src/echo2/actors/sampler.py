@@ -13,7 +13,7 @@ Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInst
 WeightPublisher (T_bcast) and on telemetry.
 
 Backpressure: credit-based, stated not added (``echo2.actors.work_state``). It can hold
-``credits`` leases; every ``WorkRequest`` states that capacity, the leases it holds and the
+``credits`` leases; every ``WorkRequest`` states that number, the leases it holds and the
 ones it answered lately, and the PromptSource grants the difference. It states its work
 after each batch, each install and every ``restate_s`` while it holds fewer leases than
 ``credits``, so a request or a lease lost with a torn connection (a link outage) costs one
@@ -35,7 +35,10 @@ holds (the PromptSource's journal kept them open).
 A PromptSource that answers none of its work states for ``unreachable_log_s`` (a dead
 link, a stopped data process) is named in a log line every ``unreachable_log_s``.
 
-Shutdown: on ``stopping`` it finishes nothing new; leases it held expire at the source.
+Shutdown: on ``stopping`` it finishes nothing new. Leaving a run that goes on (its process
+stopped alone: Ctrl-C, an elastic worker scaled down), it says ``Goodbye`` and waits up to
+``goodbye_timeout_s`` for ``GoodbyeSeen``: the PromptSource re-issues its leases now, not at
+their deadlines. At the end of the run (``RunEnded``) there is nothing to give back.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
 from echo2.errors import ModelMismatch, TransportError
 from echo2.messages import (
     INSTALLED_TOPIC,
+    Goodbye,
+    GoodbyeSeen,
     Hello,
     ModelIdentity,
     PolicyVersion,
@@ -107,6 +112,13 @@ class SamplerConfig(ActorConfig, frozen=True):
     model pays most of its decode cost per engine call, not per sequence. 0: never wait."""
     price_per_hour: Annotated[float, Meta(ge=0)] = 0.0
     """What this worker costs, dollars per hour, for cost-aware activation."""
+    capacity: Annotated[float, Meta(ge=0)] = 0.0
+    """Rollouts per second this worker says it delivers: the activation scheduler's estimate
+    of it until it is measured (0: not declared; the median of the measured ones)."""
+    goodbye_timeout_s: Annotated[float, Meta(ge=0)] = 2.0
+    """Most seconds spent, when leaving a run that goes on, waiting for the PromptSource to
+    acknowledge ``Goodbye`` (its leases re-issued at once); past it they expire at their
+    deadlines. 0: leave without saying Goodbye."""
     uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path (relay forwarding), Mbit/s; 0: uncapped."""
     downlink_mbps: Annotated[float, Meta(ge=0)] = 0.0
@@ -143,6 +155,12 @@ class Sampler(Actor):
     """It returns only when the PromptSource announces the end of the run (``RunEnded``):
     its process has then nothing left to do, and a remote host's launcher stops."""
     Config = SamplerConfig
+    host_local_fields: ClassVar[frozenset[str]] = frozenset(
+        {"relay_host", "shm_dir", "uplink_mbps", "downlink_mbps", "latency_ms", "manifest_verify_key"}
+    )
+    """Config fields that describe the machine a declared sampler runs on (addresses, paths,
+    emulated links), not the job: a sampler joining with ``python -m echo2.join`` does not
+    take them from the declared one."""
     ports: ClassVar[dict[str, Port]] = {
         "tasks": Port("dealer", bind=False),
         "rollouts": Port("push", bind=False),
@@ -288,6 +306,7 @@ class Sampler(Actor):
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,
             price_per_hour=self.config.price_per_hour,
+            declared_rollouts_per_s=self.config.capacity,
         )
 
     async def aclose(self) -> None:
@@ -316,6 +335,27 @@ class Sampler(Actor):
                 record_statistics(self, STATS_RECORD_S),
             )
             await until_stopping(self.ctx.stopping, loops)
+            if not self._run_ended.is_set() and self.config.goodbye_timeout_s > 0:
+                await self._say_goodbye()
+
+    async def _say_goodbye(self) -> None:
+        """Leaving a run that goes on: hand the leases held back now (``Goodbye``)."""
+        await self._tasks.send(Goodbye(sampler_id=self.name, reason="its process is stopping"))
+        try:
+            async with asyncio.timeout(self.config.goodbye_timeout_s):  # a gone PromptSource must not hold the drain
+                while True:
+                    message = await self._tasks.recv()
+                    if isinstance(message, GoodbyeSeen):
+                        self.ctx.log.info("left the run: %d lease(s) handed back", message.leases_returned)
+                        return
+                    if isinstance(message, RunEnded):  # the whole run is stopping: nothing to hand back
+                        await self._tasks.send(RunEndedSeen(sampler_id=self.name))
+                        return
+        except TimeoutError:
+            self.ctx.log.warning(
+                "no answer to Goodbye within %g s: the leases held expire at their deadlines",
+                self.config.goodbye_timeout_s,
+            )
 
     async def _receive_leases(self) -> None:
         await self._state_work()
@@ -366,7 +406,7 @@ class Sampler(Actor):
                 await self._state_work()
             silent_s = now - self._answered_s
             # Short of work, and our states unanswered: a full sampler needs no answer.
-            waiting = self._work.sync > self._work.acked and len(self._work.held) < self._work.capacity
+            waiting = self._work.sync > self._work.acked and len(self._work.held) < self._work.max_leases
             if (
                 waiting
                 and silent_s >= self.config.unreachable_log_s
@@ -379,7 +419,7 @@ class Sampler(Actor):
                     where,
                     silent_s,
                     len(self._work.held),
-                    self._work.capacity,
+                    self._work.max_leases,
                 )
 
     async def _receive_weights(self) -> None:

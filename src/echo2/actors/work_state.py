@@ -3,14 +3,14 @@
 Credit granted as deltas ("4 more", one per finished group) dies with a torn connection: a
 ``WorkRequest`` or a ``TaskLease`` lost in a link outage is never sent again, and a sampler
 that reconnects holds nothing, is owed leases that will never come, and idles for the rest
-of the run. Here each ``WorkRequest`` states the whole of it instead (``capacity``, the
+of the run. Here each ``WorkRequest`` states the whole of it instead (``max_leases``, the
 leases it ``held``, the ones it ``submitted`` lately), so any one of them repairs every
 loss before it, and the PromptSource answers with a ``WorkGrant`` that fences the leases
 sent before it.
 
 The sampler (``SamplerWork``) states its work after each batch, after each install, when
 the PromptSource welcomes it (again), and every ``restate_s`` while it holds fewer leases
-than its capacity (``due``). The PromptSource (``reconcile``) sorts the leases it has open
+than it can (``due``). The PromptSource (``reconcile``) sorts the leases it has open
 for that connection:
 
 * in ``held``: the sampler holds it;
@@ -19,7 +19,7 @@ for that connection:
   grant did, so a lease neither held nor submitted was lost: re-issued at once;
 * sent after it: on its way (``pending``).
 
-Credit is ``capacity - len(held) - pending``, set, never added. A grant tells the sampler
+Credit is ``max_leases - len(held) - pending``, set, never added. A grant tells the sampler
 how many leases the PromptSource counted as on their way; one that received fewer between
 its state and the grant lost some, and states its work again at once, acknowledging that
 grant: the next reconciliation finds them lost. A link outage therefore costs one state
@@ -49,13 +49,13 @@ class Reconciled:
     """The PromptSource's view of one connection's stated work."""
 
     credits: int
-    """Leases it may send now: capacity minus held minus pending (never negative)."""
+    """Leases it may send now: ``max_leases`` minus held minus pending (never negative)."""
     lost: list[int]
     """Lease ids sent before the acknowledged grant that the sampler neither holds nor answered."""
     pending: int
     """Leases sent after the acknowledged grant, not yet stated held: on their way."""
     clamped: bool
-    """The state asked for more than ``max_hold`` (capacity, or leases held beyond it)."""
+    """The state asked for more than ``max_hold`` (``max_leases``, or leases held beyond it)."""
 
 
 def reconcile(state: WorkRequest, open_leases: Iterable[int], fence: int | None, max_hold: int) -> Reconciled:
@@ -75,9 +75,9 @@ def reconcile(state: WorkRequest, open_leases: Iterable[int], fence: int | None,
             lost.append(lease_id)
         else:
             pending += 1
-    clamped = state.capacity > max_hold or len(held) > max_hold
-    capacity = min(state.capacity, max_hold)
-    return Reconciled(max(0, capacity - len(held) - pending), lost, pending, clamped)
+    clamped = state.max_leases > max_hold or len(held) > max_hold
+    max_leases = min(state.max_leases, max_hold)
+    return Reconciled(max(0, max_leases - len(held) - pending), lost, pending, clamped)
 
 
 class GrantFences:
@@ -114,9 +114,9 @@ class GrantFences:
 class SamplerWork:
     """The sampler's side: the leases it holds and answered, and its states and grants."""
 
-    def __init__(self, name: str, capacity: int, restate_s: float) -> None:
+    def __init__(self, name: str, max_leases: int, restate_s: float) -> None:
         self.name = name
-        self.capacity = capacity
+        self.max_leases = max_leases
         self.restate_s = restate_s
         self.held: OrderedDict[int, None] = OrderedDict()
         self.submitted: deque[int] = deque(maxlen=SUBMITTED_KEPT)
@@ -142,9 +142,9 @@ class SamplerWork:
             self.submitted.appendleft(lease_id)
 
     def due(self, now: float | None = None) -> bool:
-        """Holding fewer leases than its capacity, and no state sent for ``restate_s``."""
+        """Holding fewer leases than ``max_leases``, and no state sent for ``restate_s``."""
         now = time.monotonic() if now is None else now
-        return len(self.held) < self.capacity and now - self._stated_at >= self.restate_s
+        return len(self.held) < self.max_leases and now - self._stated_at >= self.restate_s
 
     def state(self, installed: PolicyVersion | None) -> WorkRequest:
         """The next ``WorkRequest``: everything the PromptSource needs, nothing relative."""
@@ -157,7 +157,7 @@ class SamplerWork:
             sampler_id=self.name,
             incarnation=version.incarnation,
             installed_version=version.version,
-            capacity=self.capacity,
+            max_leases=self.max_leases,
             held=list(self.held),
             submitted=list(self.submitted),
             sync=self.sync,

@@ -29,11 +29,14 @@ Measured figures (``echo2.capacity.model`` has the formulas):
   Deviation from the paper's "moving average of delivered rollouts/s": in an
   over-provisioned pool the raw delivery rate measures the learner's demand split among
   the workers, not what each could deliver, so it cannot tell the scheduler whom to park.
-  A parked sampler keeps its last measurement; one never measured gets the median of the
-  measured ones (or ``prior_mu``).
+  A parked sampler keeps its last measurement; one never measured gets the rollouts/s it
+  declares (``SamplerStats.declared_rollouts_per_s``, ``python -m echo2.join --capacity``),
+  else the median of the measured ones (or ``prior_mu``).
 * availability: a sampler whose heartbeat is older than ``heartbeat_timeout_s`` is gone
-  (dropped from the active set at once; its leases expire at the source); a new one joins
-  parked and is folded in by the next decision.
+  (dropped from the active set at once; its leases expire at the source), and so is one
+  that said ``Goodbye`` (``observe_left``: at once, not a heartbeat timeout later; it is
+  known again once it says ``Hello``); a new one joins parked and is folded in by the
+  next decision.
 
 Heartbeats carry one typed record per actor (``Heartbeat.actor_stats``); the scheduler
 dispatches on the record's type and ignores the records it has no use for, including
@@ -73,6 +76,7 @@ class _SamplerState:
     # (now_s, samples_generated, generate_s) heartbeat samples inside the mu window
     samples: deque[tuple[float, float, float]] = field(default_factory=deque)
     mu: float | None = None  # latest measurement (kept while parked)
+    declared_mu: float = 0.0  # rollouts/s it says it delivers, until measured
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ class Scheduler:
             rng=random.Random(seed) if policy == "random" else None,
         )
         self._samplers: dict[str, _SamplerState] = {}
+        self._left: set[str] = set()  # said Goodbye: heartbeats still in flight are ignored
         self._first_seen_s: float | None = None
         self._active: tuple[str, ...] = ()
         self._t_train_s: float | None = None
@@ -209,7 +214,18 @@ class Scheduler:
         if stats.published_version >= 0 and stats.published_at_s > 0:
             self._published_at[stats.published_version] = stats.published_at_s
 
+    def observe_left(self, sampler_id: str) -> None:
+        """``sampler_id`` said ``Goodbye``: unavailable now, and forgotten."""
+        self._samplers.pop(sampler_id, None)
+        self._left.add(sampler_id)
+
+    def observe_hello(self, sampler_id: str) -> None:
+        """``sampler_id`` was welcomed: its heartbeats count again (after a ``Goodbye``)."""
+        self._left.discard(sampler_id)
+
     def _observe_sampler(self, now_s: float, sampler_id: str, stats: SamplerStats) -> None:
+        if sampler_id in self._left:
+            return
         state = self._samplers.get(sampler_id)
         if state is None:
             state = self._samplers[sampler_id] = _SamplerState(sampler_id)
@@ -217,6 +233,7 @@ class Scheduler:
                 self._first_seen_s = now_s
         state.last_seen_s = max(state.last_seen_s, now_s)
         state.price_per_hour = max(0.0, stats.price_per_hour)
+        state.declared_mu = stats.declared_rollouts_per_s if stats.declared_rollouts_per_s > 0 else 0.0
         generated, busy = float(stats.samples_generated), stats.generate_s
         state.samples_generated = generated
         state.samples.append((now_s, generated, busy))
@@ -299,10 +316,13 @@ class Scheduler:
         )
 
     def mu_estimates(self) -> dict[str, float]:
-        """Rollouts/s per known sampler: measured, else the median measured, else prior_mu."""
+        """Rollouts/s per known sampler: measured, else declared, else the median measured,
+        else prior_mu."""
         measured = [s.mu for s in self._samplers.values() if s.mu is not None and s.mu > 0]
         fallback = stats_mod.median(measured) if measured else self.prior_mu
-        return {i: (s.mu if s.mu is not None and s.mu > 0 else fallback) for i, s in self._samplers.items()}
+        return {
+            i: (s.mu if s.mu is not None and s.mu > 0 else s.declared_mu or fallback) for i, s in self._samplers.items()
+        }
 
     def _targets(self, pool_mu: float) -> tuple[float | None, float | None, int | None]:
         t_train = self.t_train_s

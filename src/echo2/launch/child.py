@@ -30,10 +30,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import msgspec
+
 from echo2.actor import PortAddresses
 from echo2.errors import ActorFailed
 from echo2.launch import exits
 from echo2.observe.http import ServeError
+from echo2.observe.writers import open_writers
 from echo2.rundir import RunDir
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
@@ -177,6 +180,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_torch_threads(spec.torch_threads)
     actors, addresses, telemetry = build_process(resolved, args.process)
     run_dir = Path(resolved.run_dir)
+    writers = None
+    learners = [a for a in actors if a.completes_run and a.trusted]
+    if resolved.run.metric_writers and learners:  # [run] metric_writers: the learner's metrics
+        learner = spec.actors[actors.index(learners[0])]
+        writers = open_writers(
+            resolved.run.metric_writers,
+            run_dir=run_dir,
+            run_id=resolved.run_id,
+            wandb_project=resolved.run.wandb_project,
+            wandb_mode=resolved.run.wandb_mode,
+            config={"job": msgspec.to_builtins(resolved.job), learner.name: learner.config},
+        )
 
     async def amain() -> None:
         curve = None
@@ -195,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             telemetry_connect=telemetry,
             metrics_port=spec.metrics_port,
             recording=resolved.recording,
+            metric_writers=writers,
         )
         signals.hand_over(runtime, asyncio.get_running_loop())
         _watch_launcher(watch, signals)

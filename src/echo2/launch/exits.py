@@ -7,6 +7,7 @@ the two sides and the tests agree.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import logging
@@ -74,3 +75,15 @@ def exit_process(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed or lost stream: nothing to keep
             stream.flush()
     os._exit(code)
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit ``BAD_CONFIG``."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise ``UsageError`` (one line, exit 2) instead of printing the
+    usage and exiting itself, so that every echo2 command reports a bad option alike."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)

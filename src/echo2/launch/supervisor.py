@@ -4,7 +4,10 @@
 
     python -m echo2.launch TOPOLOGY.toml [--set path=value]... [--run-dir DIR] [--host NAME] [--dry-run]
                            [--resume RUN_DIR [--allow-changes]]
+    python -m echo2.launch TOPOLOGY.toml --emit slurm|k8s --out DIR [--set path=value]... [--image IMAGE]
 
+* ``--emit slurm|k8s --out DIR`` starts nothing: it writes what starts the same run on a
+  cluster, an sbatch script or Kubernetes manifests (``echo2.launch.emit``).
 * A bad topology or option prints one line, ``TOPOLOGY.toml: <field path>: <problem>``, and
   exits 2.
 * The run directory ``<run_dir>/<run.name>-<YYYYmmdd-HHMMSS>`` gets ``topology.resolved.json``
@@ -16,6 +19,10 @@
   line to ``resumes.jsonl`` (its time and the changes allowed) and writes its topology to
   ``resumes/N.topology.resolved.json``; the first launch's ``topology.resolved.json`` is
   never rewritten.
+* With ``[hosts.NAME] join_port = P`` the launcher of that host answers ``python -m
+  echo2.join`` on P (``echo2.launch.join_server``): samplers outside the topology join.
+* ``address = "env:VAR"`` in ``[hosts]`` is read from this launcher's environment as it
+  starts (``--emit`` leaves it as written, for the cluster to fill in).
 * With ``[hosts.NAME] metrics_port = P`` the launcher serves its host's ``/health`` and
   ``/metrics`` on P, from probing each of its processes' own (on P+1.., name order), so a
   process that is stopped or stuck, and cannot answer for itself, is reported not ready
@@ -59,12 +66,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import msgspec
 
-from echo2.errors import ConfigError, one_line
+from echo2.errors import ConfigError, TransportError, one_line
 from echo2.launch import exits
+from echo2.launch.emit import EMIT_KINDS, emit
+from echo2.launch.join_server import JoinServer
 from echo2.observe.health import ProcessWatch, health_routes
 from echo2.observe.http import ServeError, serve
 from echo2.observe.metrics import exposition, launcher_families
@@ -78,6 +87,9 @@ from echo2.topology import (
 )
 from echo2.topology.changes import topology_changes
 from echo2.topology.preflight import check_before_launch
+from echo2.topology.schema import resolve_env_addresses
+from echo2.transport import Transport
+from echo2.transport.auth import CurveSettings
 
 KILL_GRACE_S = 5.0
 """Seconds past ``run.drain_timeout_s`` before children still alive get SIGKILL."""
@@ -90,17 +102,8 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # -- command line --------------------------------------------------------------------------
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(message)
-
-
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> exits.OneLineParser:
+    parser = exits.OneLineParser(
         prog="python -m echo2.launch",
         description="Run an echo2 topology: one OS process per process group of this host.",
     )
@@ -131,6 +134,15 @@ def _parser() -> _Parser:
         action="store_true",
         help="validate and print the resolved topology; start nothing",
     )
+    parser.add_argument(
+        "--emit",
+        choices=EMIT_KINDS,
+        help="write what starts this run on a cluster (an sbatch script, Kubernetes manifests) into --out; start nothing",
+    )
+    parser.add_argument("--out", type=Path, help="with --emit: the directory to write into")
+    parser.add_argument(
+        "--image", default="echo2:latest", help="with --emit k8s: the container image with echo2 installed"
+    )
     return parser
 
 
@@ -140,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
+    except exits.UsageError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return exits.BAD_CONFIG
     except SystemExit as exc:  # --help
@@ -148,11 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.allow_changes and args.resume is None:
         print(f"{parser.prog}: --allow-changes: only with --resume", file=sys.stderr)
         return exits.BAD_CONFIG
+    if args.emit is not None:
+        return _emit(parser.prog, args)
+    if args.out is not None:
+        print(f"{parser.prog}: --out: only with --emit", file=sys.stderr)
+        return exits.BAD_CONFIG
     source = args.topology
     try:
         topology = load_topology(source, args.overrides)
         if args.run_dir is not None:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
+        topology = resolve_env_addresses(topology, os.environ)
         names = select_processes(topology, args.host)
         notes = check_before_launch(topology, names)
     except ConfigError as exc:
@@ -222,6 +240,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
+
+
+def _emit(prog: str, args: argparse.Namespace) -> int:
+    """``--emit``: check what can be checked away from the cluster, write the files."""
+    conflicting = [
+        flag
+        for flag, given in (
+            ("--host", args.host),
+            ("--resume", args.resume),
+            ("--dry-run", args.dry_run),
+            ("--run-dir", args.run_dir),
+        )
+        if given
+    ]
+    if conflicting or args.out is None:
+        problem = f"{conflicting[0]}: not with --emit" if conflicting else "--emit needs --out DIR"
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    try:
+        topology = load_topology(args.topology, args.overrides)
+        written = emit(
+            topology, kind=args.emit, source=args.topology, overrides=args.overrides, out=args.out, image=args.image
+        )
+    except ConfigError as exc:
+        print(f"{args.topology}: {one_line(exc)}", file=sys.stderr)
+        return exits.BAD_CONFIG
+    except OSError as exc:
+        print(f"{prog}: --out: {exits.cannot_write(Path(exc.filename or args.out), exc)}", file=sys.stderr)
+        return exits.FAILED
+    for path in written:
+        print(f"echo2: wrote {path}")
+    return exits.OK
 
 
 class _ResumeRefused(Exception):
@@ -388,6 +438,7 @@ class Launcher:
         try:
             async with asyncio.TaskGroup() as group, contextlib.AsyncExitStack() as servers:
                 watchers = await self._serve_health(group, servers)
+                watchers += self._serve_joins(group, servers)
                 pumps = await self._start_all(group)
                 if self.resolved.run.deadline_s > 0 and not self.shutting_down:
                     deadline = loop.call_later(
@@ -451,6 +502,35 @@ class Launcher:
             servers.push_async_callback(_close_server, server)
             watchers.append(group.create_task(watch.run(), name=f"health:{host}"))
         return watchers
+
+    def _serve_joins(self, group: asyncio.TaskGroup, servers: contextlib.AsyncExitStack) -> list[asyncio.Task[None]]:
+        """Answer ``python -m echo2.join`` when this launcher's host has the join port."""
+        joined = self.resolved.joined
+        if (
+            joined is None
+            or self.shutting_down
+            or joined.host not in {self.resolved.processes[n].host for n in self.names}
+        ):
+            return []
+        where = f"hosts.{joined.host}.join_port"
+        security = self.resolved.security
+        try:
+            curve = (
+                CurveSettings.load(security.keys_dir, joined.host, self.resolved.hosts, security.allowed)
+                if security.curve
+                else None
+            )
+            server = JoinServer(self.resolved, curve=curve, stopping=lambda: self.shutting_down)
+            transport = Transport()
+            servers.callback(transport.close)
+            endpoint = server.open(transport)
+        except (ConfigError, TransportError) as exc:
+            self.say(f"{where}: {one_line(exc)}", error=True)
+            self._begin_shutdown(f"{where}: cannot answer joins", exits.FAILED)
+            return []
+        address = self.resolved.hosts[joined.host].address
+        self.say(f"samplers join this run with: python -m echo2.join {address}:{server.port}")
+        return [group.create_task(server.serve(endpoint), name="join")]
 
     def _live_pids(self) -> dict[str, int | None]:
         return {c.name: c.proc.pid if c.alive and c.proc is not None else None for c in self.children}

@@ -14,6 +14,9 @@ port past 65535; a binder that other hosts reach on a host whose ``address`` is 
 one (or omitted: 127.0.0.1) while other hosts of the topology have real addresses (all
 loopback is one machine, which works); and two hosts at one address (one machine: binders
 bind every interface) whose tcp port ranges overlap.
+
+``topology_addresses(topology, run_id)`` derives a topology's, with the stand-in for joined
+samplers (``schema.joined_placement``) when a host serves joins.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from collections.abc import Mapping, Sequence
 from echo2.actor import PortAddresses
 from echo2.errors import ConfigError
 from echo2.messages import TELEMETRY_CHANNEL
-from echo2.topology.schema import HostSpec, Placement, channel_of, check_channels
+from echo2.topology.schema import (
+    HostSpec,
+    Placement,
+    Topology,
+    channel_of,
+    check_channels,
+    joined_placement,
+    placements,
+)
 
 IPC_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
 _LOCAL_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -161,6 +172,18 @@ def derive_addresses(
     )
 
 
+def topology_addresses(topology: Topology, run_id: str) -> Addresses:
+    """The addresses of a validated topology's ports, joined samplers' included (under
+    ``JOINED_SAMPLER`` in ``ports`` and ``telemetry``) when a host has a ``join_port``."""
+    places, hosts = placements(topology), dict(topology.hosts)
+    joined = joined_placement(topology)
+    if joined is not None:
+        place, spec = joined
+        places.append(place)
+        hosts[place.host] = spec
+    return derive_addresses(places, hosts, run_id, curve=topology.security.curve)
+
+
 def _metrics_ports(process_hosts: Mapping[str, str], hosts: Mapping[str, HostSpec]) -> dict[str, int]:
     """Per process, the port of its ``/metrics`` and ``/health``: on a host with
     ``metrics_port = P`` its launcher serves P and its processes, in name order, P+1, P+2, ..."""
@@ -217,14 +240,18 @@ def _check_port_ranges(
         if spec.metrics_port:
             processes = sum(1 for at in process_hosts.values() if at == host)
             wanted.append((host, "metrics_port", spec.metrics_port, spec.metrics_port + processes))
+        if spec.join_port:
+            wanted.append((host, "join_port", spec.join_port, spec.join_port))
     ranges: list[tuple[str, str, str, int, int]] = []  # (machine, host, field, first port, last port)
     for host, field, first, last in wanted:
         spec = hosts[host]
         machine = "loopback" if _is_loopback(spec.address) else spec.address.lower()
-        what = "tcp ports" if field == "port_base" else "metrics ports"
+        what = {"port_base": "tcp ports", "metrics_port": "metrics ports", "join_port": "join port"}[field]
         for other_machine, other, other_field, other_first, other_last in ranges:
             if other_machine == machine and first <= other_last and other_first <= last:
-                theirs = "" if other_field == "port_base" else " (its metrics ports)"
+                theirs = {"port_base": "", "metrics_port": " (its metrics ports)", "join_port": " (its join port)"}[
+                    other_field
+                ]
                 raise ConfigError(
                     f"{what} {first}-{last} overlap ports {other_first}-{other_last} of host {other!r}{theirs} "
                     f"on the same machine ({spec.address}); move {field} past the other's range",
@@ -261,4 +288,4 @@ def is_local_address(address: str) -> bool:
     return address in names
 
 
-__all__ = ["IPC_PATH_MAX", "Addresses", "derive_addresses", "ipc_dir_for", "is_local_address"]
+__all__ = ["IPC_PATH_MAX", "Addresses", "derive_addresses", "ipc_dir_for", "is_local_address", "topology_addresses"]

@@ -45,10 +45,11 @@ from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError, one_line
 from echo2.job import JobConfig, PromptFormat
 from echo2.models.location import is_hf_spec, load_prompt_tokenizer, locate_model
+from echo2.observe.writers import check_writers_available
 from echo2.registry import ENGINES
 from echo2.tasks.base import Task, load_job_task, prompts_to_check
-from echo2.topology.addresses import Addresses, derive_addresses
-from echo2.topology.schema import PlacedActor, Topology, placements
+from echo2.topology.addresses import Addresses, topology_addresses
+from echo2.topology.schema import PlacedActor, Topology
 from echo2.transport.auth import CurveSettings, load_public_keys
 
 _MODEL_ENGINES = ("torch", "hf", "vllm")
@@ -63,11 +64,13 @@ def check_before_launch(topology: Topology, processes: Sequence[str]) -> list[st
     for them only. Returns notes on checks that could not be made (to print, not to fail on).
     """
     check_relations(topology)
-    addresses = derive_addresses(placements(topology), topology.hosts, "preflight", curve=topology.security.curve)
+    addresses = topology_addresses(topology, "preflight")
     local = set(processes)
     for actor in topology.actors.values():
         if actor.process in local:
             _check_on_this_host(actor, topology.job)
+            if topology.run.metric_writers and actor.cls.completes_run and actor.cls.trusted:  # the learner's process
+                check_writers_available(topology.run.metric_writers)
     if topology.security.curve:
         _check_curve(topology, addresses, local)
     notes = _check_tcp_ports(topology, addresses, local)
@@ -203,21 +206,10 @@ def _check_tcp_ports(topology: Topology, addresses: Addresses, local: set[str]) 
             continue
         host = topology.processes[placed.process].host
         by_host.setdefault(host, []).append(port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            # libzmq's listener sets SO_REUSEADDR: a port in TIME_WAIT is free for it too.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("", port))
-            except OSError as exc:
-                why = (
-                    "is in use on this machine"
-                    if exc.errno == errno.EADDRINUSE
-                    else f"cannot be bound ({exc.strerror})"
-                )
-                raise ConfigError(
-                    f"tcp port {port} ({actor}.{port_name}) {why}; stop what holds it or move port_base",
-                    path=f"hosts.{host}.port_base",
-                ) from None
+        _check_free(port, f"{actor}.{port_name}", f"hosts.{host}.port_base", "port_base")
+    for host in sorted({topology.processes[process].host for process in local}):
+        if join_port := topology.hosts[host].join_port:  # this launcher answers joins there
+            _check_free(join_port, "the join port", f"hosts.{host}.join_port", "join_port")
     notes = []
     ephemeral = _ephemeral_range()
     for host, ports in sorted(by_host.items()):
@@ -228,6 +220,19 @@ def _check_tcp_ports(topology: Topology, addresses: Addresses, local: set[str]) 
                 f"take one; a base below {ephemeral[0]} avoids that"
             )
     return notes
+
+
+def _check_free(port: int, what: str, path: str, field: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # libzmq's listener sets SO_REUSEADDR: a port in TIME_WAIT is free for it too.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            why = "is in use on this machine" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise ConfigError(
+                f"tcp port {port} ({what}) {why}; stop what holds it or move {field}", path=path
+            ) from None
 
 
 def _ephemeral_range() -> tuple[int, int] | None:

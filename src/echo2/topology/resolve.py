@@ -18,8 +18,16 @@ from echo2.actor import Actor, PortAddresses, default_cpu_count
 from echo2.actors import load_actor_class
 from echo2.errors import ConfigError
 from echo2.job import JobConfig
-from echo2.topology.addresses import derive_addresses
-from echo2.topology.schema import HostSpec, RestartPolicy, RunSpec, SecuritySpec, Topology, placements
+from echo2.topology.addresses import Addresses, topology_addresses
+from echo2.topology.schema import (
+    JOINED_SAMPLER,
+    HostSpec,
+    RestartPolicy,
+    RunSpec,
+    SecuritySpec,
+    Topology,
+    join_host,
+)
 from echo2.transport.recording import RecordingSettings
 
 log = logging.getLogger("echo2.topology")
@@ -116,6 +124,10 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
     tcp_ports: dict[str, int] = {}
     """``"actor.port"`` -> tcp port, for endpoints reached from other hosts."""
+    joined: ResolvedProcess | None = None
+    """With a ``join_port``: what a sampler joining with ``python -m echo2.join`` gets (its
+    ``host`` is the host that answers joins; its one actor, ``JOINED_SAMPLER``, carries the
+    first declared sampler's config and the stand-in's addresses)."""
 
     @classmethod
     def load(cls, path: str | Path) -> ResolvedTopology:
@@ -135,7 +147,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = derive_addresses(placements(topology), topology.hosts, run_id, curve=topology.security.curve)
+    addresses = topology_addresses(topology, run_id)
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
@@ -171,6 +183,30 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
         ipc_dir=addresses.ipc_dir,
         security=topology.security,
         tcp_ports={f"{actor}.{port}": n for (actor, port), n in sorted(addresses.tcp_ports.items())},
+        joined=_joined(topology, addresses),
+    )
+
+
+def _joined(topology: Topology, addresses: Addresses) -> ResolvedProcess | None:
+    """What joined samplers get: the stand-in's addresses, and the portable part of the first
+    declared sampler's config (by name; none declared: the defaults)."""
+    serving = join_host(topology)
+    if serving is None:
+        return None
+    sampler = load_actor_class("sampler")
+    declared = sorted((a for a in topology.actors.values() if issubclass(a.cls, sampler)), key=lambda a: a.name)
+    template = dict(declared[0].raw_config) if declared else {}
+    local_fields: frozenset[str] = getattr(declared[0].cls if declared else sampler, "host_local_fields", frozenset())
+    config = {key: value for key, value in template.items() if key not in local_fields}
+    telemetry = addresses.telemetry.get(JOINED_SAMPLER, ())
+    return ResolvedProcess(
+        host=serving,
+        torch_threads=0,
+        actors=[
+            ResolvedActor(name=JOINED_SAMPLER, kind="sampler", config=config, ports=addresses.ports[JOINED_SAMPLER])
+        ],
+        telemetry_connect=list(telemetry),
+        telemetry_curve_servers=[addresses.curve_hosts.get(url, "") for url in telemetry],
     )
 
 

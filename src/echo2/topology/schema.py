@@ -2,9 +2,10 @@
 
 A topology says where actors run; actor code never does. The file has six tables::
 
-    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, record, record_max_mb
+    [run]             name, run_dir, drain_timeout_s, heartbeat_s, deadline_s, record, record_max_mb,
+                      metric_writers, wandb_project, wandb_mode
     [job]             settings several actors share (echo2.job.JobConfig)
-    [hosts.NAME]      address, port_base, metrics_port, cores
+    [hosts.NAME]      address, port_base, metrics_port, join_port, cores
     [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
     [actors.NAME]     kind, process, replicas, config = {...}
     [security]        curve, keys_dir, allowed
@@ -29,6 +30,12 @@ Placement rules worth knowing:
   a process named explicitly without ``"{i}"`` must be declared there (a typo is an error,
   not a new process). ``[processes."sampler-{i}"]`` gives settings to templated processes.
 * A host ``local`` (127.0.0.1) exists when there is no ``[hosts]`` table.
+* ``address = "env:VAR"`` is read from the environment of each launcher as it starts
+  (``resolve_env_addresses``): a scheduler's node names (Slurm, Kubernetes) rather than
+  fixed IPs. A DNS name is used as written (resolved when connecting).
+* ``join_port`` on one host lets samplers outside the topology join the running job
+  (``python -m echo2.join``). Addresses are then derived as if a sampler sat on a host of
+  its own (``JOIN_HOST``): every channel a sampler uses is reachable over tcp.
 * Channels are matched by ``Port.channel`` or else the port name. A connector whose channel
   has no binder is an error; a binder without connectors still binds (inproc).
 """
@@ -51,12 +58,20 @@ from echo2.actors import load_actor_class
 from echo2.config import Name, convert_config
 from echo2.errors import ConfigError, one_line
 from echo2.job import JobConfig
+from echo2.observe.writers import MetricWriterKind, WandbMode
 from echo2.tasks.base import check_job_task
 
 log = logging.getLogger("echo2.topology")
 
 DEFAULT_HOST = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
+ENV_ADDRESS_PREFIX = "env:"
+"""``address = "env:VAR"``: the address is the value of ``VAR`` in each launcher's environment."""
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+JOINED_SAMPLER = "joined-sampler"
+"""The stand-in actor for samplers that join with ``python -m echo2.join`` (its addresses)."""
+JOIN_HOST = "(join)"
+"""The host the stand-in sits on: not a topology host (no valid host name has parentheses)."""
 
 RestartPolicy = Literal["never", "on-failure"]
 """What the launcher does when a process dies: stop the run, or restart the process."""
@@ -82,13 +97,22 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     ``"actor.port"`` (``"learner.batch"``); replay one with ``python -m echo2.replay``."""
     record_max_mb: Annotated[float, Meta(gt=0)] = 256.0
     """Cap of each recording file, MB; past it that port stops recording (with a log line)."""
+    metric_writers: list[MetricWriterKind] = []
+    """Where the learner's metrics also go, live (off by default): "tensorboard" (event files
+    in ``RUN_DIR/tensorboard/``) and "wandb" (Weights & Biases); ``echo2.observe.writers``."""
+    wandb_project: Name = "echo2"
+    """The W&B project of the run (with "wandb")."""
+    wandb_mode: WandbMode = "offline"
+    """"offline": W&B files in ``RUN_DIR/wandb/`` only, no account needed (``wandb sync``
+    uploads them later); "online": streamed (``wandb login`` or ``WANDB_API_KEY`` first)."""
 
 
 class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """``[hosts.NAME]``: a machine. Processes on other hosts reach it at ``address``."""
 
     address: str = "127.0.0.1"
-    """Hostname or IP address at which processes on other hosts reach this one."""
+    """Hostname, DNS name or IP address at which processes on other hosts reach this one, or
+    ``"env:VAR"``: the value of the environment variable ``VAR`` where each launcher starts."""
     port_base: Annotated[int, Meta(ge=1024, le=65535)] = 28100
     """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
     ports below 1024 are for services run as root. The default lies below Linux's ephemeral
@@ -96,6 +120,9 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     """Port of this host's launcher's ``/metrics`` and ``/health`` (0: off); the host's
     processes, in name order, serve theirs at the ports after it (``docs/metrics.md``)."""
+    join_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Port on which this host's launcher answers ``python -m echo2.join`` (0: off): samplers
+    outside the topology then join the running job. One host at most."""
     cores: Annotated[int, Meta(ge=0)] = 0
     """Cores torch may use on this host (0: the usable cores of the machine resolving the
     topology; each host's launcher resolves for itself, so 0 is right on every host)."""
@@ -304,6 +331,7 @@ def validate(raw: Mapping[str, Any]) -> Topology:
             raise ConfigError("hosts: declares no host (omit [hosts] for one local host)")
     else:
         hosts = {DEFAULT_HOST: HostSpec()}
+    _check_hosts(hosts)
 
     declared = {
         name: convert_config(table, ProcessSpec, f"processes.{name}")
@@ -378,6 +406,68 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     return topology
 
 
+def _check_hosts(hosts: Mapping[str, HostSpec]) -> None:
+    """Address syntax and the join port: ``ConfigError`` naming the host's field."""
+    serving = []
+    for name, host in hosts.items():
+        if not host.address:
+            raise ConfigError("empty address", path=f"hosts.{name}.address")
+        if host.address.startswith(ENV_ADDRESS_PREFIX):
+            var = host.address.removeprefix(ENV_ADDRESS_PREFIX)
+            if not _ENV_NAME_RE.fullmatch(var):
+                raise ConfigError(
+                    f"{host.address!r}: expected env:VARIABLE, a name matching {_ENV_NAME_RE.pattern}",
+                    path=f"hosts.{name}.address",
+                )
+        if host.join_port:
+            if host.join_port < 1024:
+                raise ConfigError(
+                    f"{host.join_port}: ports below 1024 are for services run as root", path=f"hosts.{name}.join_port"
+                )
+            serving.append(name)
+    if len(serving) > 1:
+        raise ConfigError(
+            f"only one host answers joins; hosts.{serving[0]}.join_port is set too",
+            path=f"hosts.{serving[1]}.join_port",
+        )
+
+
+def join_host(topology: Topology) -> str | None:
+    """The host whose launcher answers ``python -m echo2.join`` (``join_port``), if any."""
+    return next((name for name, host in topology.hosts.items() if host.join_port), None)
+
+
+def joined_placement(topology: Topology) -> tuple[Placement, HostSpec] | None:
+    """The stand-in for joined samplers, on ``JOIN_HOST`` (at the join host's address), when
+    a host serves joins: deriving addresses with it makes every channel a sampler uses
+    reachable over tcp, and gives a joined sampler its URLs."""
+    serving = join_host(topology)
+    if serving is None:
+        return None
+    sampler = load_actor_class("sampler")
+    place = Placement(
+        actor=JOINED_SAMPLER, process=JOINED_SAMPLER, host=JOIN_HOST, ports=sampler.ports, trusted=sampler.trusted
+    )
+    return place, HostSpec(address=topology.hosts[serving].address)
+
+
+def resolve_env_addresses(topology: Topology, environ: Mapping[str, str]) -> Topology:
+    """``address = "env:VAR"`` replaced by ``environ[VAR]`` (what a launcher does as it
+    starts); ``ConfigError`` naming the host when the variable is unset or empty."""
+    hosts = dict(topology.hosts)
+    for name, host in topology.hosts.items():
+        if host.address.startswith(ENV_ADDRESS_PREFIX):
+            var = host.address.removeprefix(ENV_ADDRESS_PREFIX)
+            value = environ.get(var, "").strip()
+            if not value:
+                raise ConfigError(
+                    f"{host.address!r}: the environment variable {var} is not set where this launcher runs",
+                    path=f"hosts.{name}.address",
+                )
+            hosts[name] = msgspec.structs.replace(host, address=value)
+    return dataclasses.replace(topology, hosts=hosts)
+
+
 def check_recorded_ports(record: Sequence[str], actors: Mapping[str, PlacedActor]) -> None:
     """Each ``run.record`` entry names a port of an actor; ``ConfigError`` naming the entry."""
     for index, entry in enumerate(record):
@@ -414,6 +504,9 @@ def _named_tables(raw: Mapping[str, Any], key: str) -> dict[str, Mapping[str, An
 
 __all__ = [
     "DEFAULT_HOST",
+    "ENV_ADDRESS_PREFIX",
+    "JOINED_SAMPLER",
+    "JOIN_HOST",
     "ActorSpec",
     "HostSpec",
     "PlacedActor",
@@ -426,8 +519,11 @@ __all__ = [
     "apply_overrides",
     "channel_of",
     "check_channels",
+    "join_host",
+    "joined_placement",
     "load_topology",
     "parse_override",
     "placements",
+    "resolve_env_addresses",
     "validate",
 ]
