@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import struct
 import sys
 import time
@@ -296,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in args.conditions:
         print(f"benchmarks.wan: {name} ...", file=sys.stderr, flush=True)
+        load_before = os.getloadavg()
         raw[name] = run_condition(CONDITIONS[name], args.seconds, work, probe=not args.no_validate)
         rows[name] = analyse(raw[name]["result"])
+        # The machine is shared: what else ran beside the condition (1-minute averages).
+        rows[name]["load_average_1m"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
         if raw[name]["validation"] is not None:
             print(f"  emulator: {json.dumps(raw[name]['validation'])}", file=sys.stderr)
         print(f"  {json.dumps(rows[name])}", file=sys.stderr, flush=True)
