@@ -20,7 +20,7 @@ import pytest
 
 from echo2.actors import load_actor_class
 from echo2.errors import ConfigError
-from echo2.job import JobConfig
+from echo2.job import EpisodeConfig, JobConfig
 from echo2.launch import main
 from echo2.registry import ACTORS
 from echo2.topology import ActorSpec, HostSpec, ProcessSpec, RunSpec, SecuritySpec, load_topology
@@ -168,7 +168,13 @@ def test_a_custom_task_resolves_at_load(tmp_path: Path, monkeypatch: pytest.Monk
     )
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.toml")), ids=lambda p: p.name)
+# The GPU recipes name a model directory and GPUs this machine lacks: tests/test_launch_torchrun.py
+# dry-runs them with a stand-in model and ECHO2_ASSUME_GPUS.
+@pytest.mark.parametrize(
+    "path",
+    sorted(set((ROOT / "examples").glob("*.toml")) - set((ROOT / "examples").glob("gpu*.toml"))),
+    ids=lambda p: p.name,
+)
 def test_examples_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hosts = list(load_topology(path).hosts)
     # A multi-host example names no host of this machine: each host's launcher is started with --host.
@@ -181,7 +187,7 @@ def test_examples_dry_run(path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _config_structs() -> list[type]:
-    structs: list[type] = [JobConfig, RunSpec, HostSpec, ProcessSpec, ActorSpec, SecuritySpec]
+    structs: list[type] = [JobConfig, EpisodeConfig, RunSpec, HostSpec, ProcessSpec, ActorSpec, SecuritySpec]
     structs += [load_actor_class(kind).Config for kind in ACTORS.names()]
     return list(dict.fromkeys(structs))
 

@@ -108,6 +108,18 @@ def job(line: str):
     return sub("max_new_tokens = 4\n", f"max_new_tokens = 4\n{line}\n")
 
 
+def learner_process(lines: str, *, distributed: bool = False, hosts: bool = False):
+    """An edit of ``BASE``: settings of ``[processes.learner]``; with ``distributed`` its
+    learner is a ``distributed_learner`` (run under torchrun); with ``hosts`` on two hosts."""
+
+    def edit(text: str) -> str:
+        text = two_hosts(text) if hosts else text
+        text = text.replace("torch_threads = 1\n", f"torch_threads = 1\n{lines}\n", 1)
+        return text.replace('kind = "learner"', 'kind = "distributed_learner"') if distributed else text
+
+    return edit
+
+
 # (id, edit of BASE, field path, text the problem must contain)
 CASES = [
     # numbers: quoted, out of range (issue 18: negative max_steps, eval_every, lease_ttl_s,
@@ -248,6 +260,37 @@ CASES = [
         "actors.sampler.config.engine_kwargs.chat_template",
         "prompts are rendered as job.prompt_format says",
     ),
+    # multi-turn episodes (issue 15 item 5)
+    (
+        "episode-environment-typo",
+        job('episode = { environment = "chain_adition" }'),
+        "job.episode.environment",
+        "unknown environment 'chain_adition'",
+    ),
+    (
+        "episode-kwargs-out-of-range",
+        job('episode = { environment = "chain_addition", environment_kwargs = { operands = 2 } }'),
+        "job.episode.environment_kwargs.operands",
+        ">= 3",
+    ),
+    (
+        "episode-max-turns-zero",
+        job('episode = { environment = "chain_addition", max_turns = 0 }'),
+        "job.episode.max_turns",
+        ">= 1",
+    ),
+    (
+        "episode-longer-than-the-tiny-context",
+        job('episode = { environment = "chain_addition", max_episode_tokens = 40 }'),
+        "job.episode.max_episode_tokens",
+        "exceed the model's context of 32 tokens",
+    ),
+    (
+        "episode-service-without-trusted-samplers",
+        job('episode = { environment = "openenv", environment_kwargs = { base_url = "http://127.0.0.1:9" } }'),
+        "job.episode.trusted_samplers",
+        "cannot be replayed by the trusted side",
+    ),
     (
         "prompt-format-typo",
         job('prompt_format = { chat_templat = "off" }'),
@@ -339,6 +382,64 @@ CASES = [
         sub("lease_ttl_s = 30.0", "lease_ttl_s = 30.0, max_tasks = 3"),
         "actors.prompt_source.config.max_tasks",
         "no step could be trained",
+    ),
+    # GPUs, ranks and nodes of a process (issue 17: the launcher runs the learner under torchrun)
+    ("gpus-twice", learner_process("gpus = [0, 0]"), "processes.learner.gpus", "lists a GPU twice"),
+    ("gpus-negative", learner_process("gpus = [-1]"), "processes.learner.gpus[0]", ">= 0"),
+    (
+        "nproc-without-distributed-actor",
+        learner_process("nproc_per_node = 2"),
+        "processes.learner.nproc_per_node",
+        'needs an actor that trains across ranks (kind = "distributed_learner")',
+    ),
+    ("nproc-zero", learner_process("nproc_per_node = 0", distributed=True), "processes.learner.nproc_per_node", ">= 1"),
+    (
+        "gpus-not-one-per-rank",
+        learner_process("nproc_per_node = 2\ngpus = [0]", distributed=True),
+        "processes.learner.gpus",
+        "list one per rank",
+    ),
+    (
+        "nnodes-without-distributed-actor",
+        learner_process("nnodes = 2"),
+        "processes.learner.nnodes",
+        "needs an actor that trains across ranks",
+    ),
+    (
+        "nnodes-without-node-hosts",
+        learner_process('nnodes = 2\nrdzv_endpoint = "10.1.2.2:29500"', distributed=True),
+        "processes.learner.node_hosts",
+        "0 host(s) for nnodes = 2",
+    ),
+    (
+        "node-hosts-unknown",
+        learner_process('nnodes = 2\nnode_hosts = ["a", "c"]', distributed=True, hosts=True),
+        "processes.learner.node_hosts[1]",
+        "unknown host 'c'",
+    ),
+    (
+        "node-hosts-not-led-by-host",
+        learner_process('nnodes = 2\nnode_hosts = ["b", "a"]', distributed=True, hosts=True),
+        "processes.learner.node_hosts",
+        "node rank 0 runs on 'b' but the process's host is 'a'",
+    ),
+    (
+        "node-hosts-without-torchrun",
+        learner_process('node_hosts = ["local"]'),
+        "processes.learner.node_hosts",
+        "only for a process under torchrun",
+    ),
+    (
+        "rdzv-endpoint-missing",
+        learner_process('nnodes = 2\nnode_hosts = ["a", "b"]', distributed=True, hosts=True),
+        "processes.learner.rdzv_endpoint",
+        'required with nnodes = 2: node 0\'s rendezvous address:port that every node reaches, e.g. "127.0.0.1:29500"',
+    ),
+    (
+        "rdzv-endpoint-without-port",
+        learner_process('rdzv_endpoint = "10.1.2.2"', distributed=True),
+        "processes.learner.rdzv_endpoint",
+        "expected address:port",
     ),
     # hosts and ports (issue 13: cross-host binders on loopback; ports out of range or clashing)
     ("port-base-privileged", add("[hosts.local]\nport_base = 80\n"), "hosts.local.port_base", ">= 1024"),

@@ -46,6 +46,19 @@ def test_changes_are_listed_by_field_path_and_the_resume_flag_is_not_one(tmp_pat
     assert changes[2].describe() == "run.heartbeat_s: 0.5 -> 0.25"
 
 
+def test_a_run_recorded_before_a_field_existed_resumes_unless_the_field_is_set(tmp_path: Path) -> None:
+    run = recorded_run(tmp_path)
+    recorded = json.loads(run.topology_path.read_text())
+    del recorded["run"]["record_max_mb"]  # as written by an echo2 that predates the field
+    same = resolve(load_topology(SMOKE, []), run.name, str(run.root))
+    assert topology_changes(recorded, same) == []
+
+    changed = resolve(load_topology(SMOKE, ["run.record_max_mb=8.0"]), run.name, str(run.root))
+    assert [(c.field, c.recorded, c.new) for c in topology_changes(recorded, changed)] == [
+        ("run.record_max_mb", 256.0, 8.0)
+    ]
+
+
 def test_a_resume_with_a_different_setting_is_refused_naming_the_field(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

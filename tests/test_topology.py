@@ -396,6 +396,17 @@ def test_ipc_paths_stay_short() -> None:
     assert url.startswith("ipc:///tmp/echo2-") and len(url) < 100
 
 
+def test_runs_of_one_name_started_in_the_same_second_from_two_directories_get_two_ipc_directories(
+    tmp_path: Path,
+) -> None:
+    topology = load_topology(write(tmp_path, SMOKE))
+    first = resolve(topology, "smoke-20260101-000000", str(tmp_path / "a" / "smoke-20260101-000000"))
+    second = resolve(topology, "smoke-20260101-000000", str(tmp_path / "b" / "smoke-20260101-000000"))
+    assert first.ipc_dir != second.ipc_dir
+    again = resolve(topology, "smoke-20260101-000000", str(tmp_path / "a" / "smoke-20260101-000000"))
+    assert again.ipc_dir == first.ipc_dir  # a --resume of the same run dir finds its own
+
+
 # -- torch threads -----------------------------------------------------------------------
 
 
@@ -452,7 +463,8 @@ def test_resolved_json_round_trip_and_build_process(tmp_path: Path) -> None:
     assert isinstance(source, CounterSource) and source.name == "source-1"
     assert source.config == CounterSource.Config(count=10, batch=5)
     assert source.job == topology.job
-    assert addresses == {"source-1": {"out": PortAddresses(connect=("ipc:///tmp/echo2-t-20250101-000000/sink.in",))}}
+    assert addresses == {"source-1": {"out": PortAddresses(connect=(f"ipc://{loaded.ipc_dir}/sink.in",))}}
+    assert loaded.ipc_dir.startswith("/tmp/echo2-t-20250101-000000-")
     assert telemetry == []
     with pytest.raises(ConfigError, match="unknown process 'nope'"):
         build_process(loaded, "nope")

@@ -98,6 +98,10 @@ class Actor:
     """False if a process the launcher restarts (``restart = "on-failure"``) would run this
     actor over from nothing while its peers carry on (the Learner: step 0); the setting is
     then refused at topology load for its process."""
+    torchrun: ClassVar[bool] = False
+    """True for an actor that trains across ranks (the ``distributed_learner``): the launcher
+    starts its process under torchrun (``[processes.NAME] nproc_per_node``, ``nnodes``), rank 0
+    running the process's actors (``echo2.launch.torchrun``)."""
     trusted: ClassVar[bool] = True
     """False for an actor the job's owner may not control (a Sampler on a rented or
     volunteered machine). With CURVE on, a port such an actor connects to admits every

@@ -31,6 +31,33 @@ class PromptFormat(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     templates); "auto": the template's default. Refused for a template without the switch."""
 
 
+class EpisodeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """``[job.episode]``: multi-turn episodes in an environment (``echo2.envs``) instead of
+    one completion per prompt. Each rollout is an episode: the model acts, the environment
+    answers with an observation appended as tokens, until it says done or ``max_turns``."""
+
+    environment: str = ""
+    """"": single-turn (the default); a built-in environment ("chain_addition") or
+    ``module:factory`` returning an ``echo2.envs.Environment`` per episode."""
+    environment_kwargs: dict[str, Any] = {}
+    """Keyword arguments of the environment's factory (checked against its signature)."""
+    max_turns: Annotated[int, Meta(ge=1, le=1024)] = 4
+    """Most model turns of one episode."""
+    max_episode_tokens: Annotated[int, Meta(ge=1)] = 1024
+    """Most tokens of one episode after the prompt, actions and observations together (the
+    prompt plus this must fit the model's context). An episode that would pass it ends."""
+    turn_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    """Seconds one environment call (reset or step) may take; past it the episode failed
+    (its lease is re-issued, never scored as 0)."""
+    lease_fields: list[str] = []
+    """Fields of a prompt's metadata sent with its lease for the environment to reset from
+    on the sampler (they reach machines you may not trust: never the answer)."""
+    trusted_samplers: list[str] = []
+    """Samplers whose episodes of an environment that cannot be replayed (``replayable =
+    False``: an external service) are accepted, rewards included. Names are proven only
+    with ``[security] curve = true``."""
+
+
 class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Settings several actors must agree on. One ``[job]`` table in the topology."""
 
@@ -60,6 +87,13 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """Seed of the prompt stream and, mixed with each sampler's name, of its engine."""
     prompt_format: PromptFormat = PromptFormat()
     """How prompts are rendered into token ids (chat template, system prompt, thinking)."""
+    episode: EpisodeConfig = EpisodeConfig()
+    """Multi-turn episodes in an environment (``[job.episode]``); single-turn by default."""
+
+    @property
+    def multi_turn(self) -> bool:
+        """Rollouts are episodes in ``episode.environment``."""
+        return bool(self.episode.environment)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,11 @@ RejectReason = Literal[
     "token_out_of_vocab",
     "too_long",
     "bad_logprobs",
+    "bad_segments",
+    "observation_mismatch",
+    "untrusted_episode",
+    "environment_raised",
+    "environment_timeout",
 ]
 """Why admission (``echo2.actors.admission``) refused a rollout group before scoring:
 ``unknown_lease`` (no open lease has that id), ``wrong_token`` (the lease's token was not
@@ -97,7 +102,17 @@ learner has not reached, or negative), ``stale_version`` (older than the stalene
 allows), ``prompt_mismatch`` (prompt token ids differ from the trusted tokenization),
 ``bad_shape`` (arrays of the wrong dtype, rank or length, offsets not monotone, text
 counts off), ``token_out_of_vocab``, ``too_long`` (a completion over the lease's
-``max_new_tokens``), ``bad_logprobs`` (non-finite or positive)."""
+``max_new_tokens``), ``bad_logprobs`` (non-finite or positive). Multi-turn episodes
+(``echo2.envs``): ``bad_segments`` (turn segments malformed, over the episode's limits, or
+turn versions out of order), ``observation_mismatch`` (the trusted replay of the episode
+produced other environment tokens), ``untrusted_episode`` (an episode of an environment
+that cannot be replayed, from a sampler not listed as trusted), and the sampler's own
+report that its environment failed (``EpisodeFailed``) or the trusted replay's: ``environment_raised``,
+``environment_timeout`` (re-issued, never a reward of 0)."""
+
+EnvironmentFailure = Literal["environment_raised", "environment_timeout"]
+"""Why a sampler's episode failed (``EpisodeFailed.reason``): the environment raised, or a
+reset or step ran past ``job.episode.turn_timeout_s``."""
 
 
 class Message(msgspec.Struct, tag=True, frozen=True, kw_only=True, gc=False):
@@ -352,6 +367,12 @@ class SamplerStats(Statistics, frozen=True):
     declared_rollouts_per_s: float = 0.0
     """Rollouts per second this worker says it delivers (``SamplerConfig.capacity``): the
     scheduler's estimate of it until it is measured (0: not declared)."""
+    episodes_played: int = 0
+    """Multi-turn episodes finished (``echo2.envs``)."""
+    episodes_failed: int = 0
+    """Multi-turn episodes whose environment raised or timed out (their lease reported failed)."""
+    env_stuck_threads: int = 0
+    """Environment calls that timed out and still hold their thread."""
 
 
 BatchClampReason = Literal["above_groups_per_step", "above_capacity"]
@@ -438,6 +459,12 @@ class RewarderStats(Statistics, frozen=True):
     """Groups refused at admission before scoring (the Buffer counts them by reason)."""
     lease_lookup_retries: int = 0
     """Lease lookups the PromptSource did not answer in time (asked again)."""
+    episodes_replayed: int = 0
+    """Multi-turn episodes replayed on the trusted side (``echo2.envs.replay``)."""
+    episode_failures: dict[str, int] = {}
+    """Episodes whose environment failed, by where and why: ``sampler:environment_raised``,
+    ``sampler:environment_timeout`` (reported by samplers), ``replay:raised:<Type>``,
+    ``replay:timeout`` (the trusted replay). Either way the lease is re-issued."""
 
 
 class PublisherStats(Statistics, frozen=True):
@@ -658,6 +685,12 @@ class TaskLease(Message, frozen=True):
     """16 random bytes the sampler echoes in ``RolloutGroup.lease_token``: without CURVE a
     sampler's name is self-claimed, so this is what proves a group is the lease holder's.
     (The reference answer never travels: the trusted side scores from its own record.)"""
+    episode_seed: int = 0
+    """Multi-turn jobs: the seed every episode of this lease resets its environment with (the
+    trusted side replays with the same)."""
+    episode_meta: dict[str, Any] = {}
+    """Multi-turn jobs: the prompt's metadata fields the environment reads on the sampler
+    (``job.episode.lease_fields``); they reach the sampler, so never the answer."""
 
 
 # -- rollouts: Sampler -> Rewarder -> Buffer ------------------------------------------
@@ -687,10 +720,38 @@ class RolloutGroup(Message, _Versioned, frozen=True):
     generate_s: float = 0.0
     lease_token: bytes = b""
     """``TaskLease.token``, echoed."""
+    turn_offsets: np.ndarray | None = None
+    """Multi-turn episodes only (``echo2.envs``; None: one model turn per completion): int32
+    (K + 1,), the boundaries of the K turn segments in ``token_ids``, from 0 to
+    ``len(token_ids)``, every ``offsets[i]`` among them. A segment is one model action or
+    one environment observation."""
+    turn_sources: np.ndarray | None = None
+    """uint8 (K,): 1 for a model segment (sampled, trained), 0 for an environment segment
+    (appended observation tokens: log-probs 0, never trained)."""
+    turn_versions: np.ndarray | None = None
+    """int32 (K,): the policy version (of ``incarnation``) that generated each model segment;
+    -1 for environment segments. ``version`` is the oldest of them."""
+    episode_returns: np.ndarray | None = None
+    """float32 (G,): each episode's return as the sampler's environment computed it. Believed
+    only for an environment that cannot be replayed, from a trusted sampler; otherwise the
+    Rewarder's replay computes the reward."""
 
     @property
     def group_size(self) -> int:
         return len(self.offsets) - 1
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turn_offsets is not None
+
+    def loss_mask(self) -> np.ndarray:
+        """uint8 (len(token_ids),): 1 for a token the learner trains on (sampled by the
+        policy), 0 for an environment token. All ones for single-turn completions. Call only
+        on an admitted group (segments checked: ``echo2.actors.admission``)."""
+        if self.turn_offsets is None or self.turn_sources is None:
+            return np.ones(len(self.token_ids), dtype=np.uint8)
+        lengths: np.ndarray = np.diff(np.asarray(self.turn_offsets, dtype=np.int64))
+        return np.repeat(self.turn_sources.astype(np.uint8), lengths)
 
 
 class ScoredGroup(Message, frozen=True):
@@ -744,6 +805,8 @@ class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     meta: dict[str, Any] = {}
     """``Prompt.meta`` of the task (plain msgpack values)."""
     prompt_token_ids: np.ndarray  # int32 (P,): the trusted tokenization of ``prompt``
+    episode_seed: int = 0
+    """``TaskLease.episode_seed`` (multi-turn jobs): the replay resets with it."""
 
 
 class AdmissionWindow(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -790,6 +853,24 @@ class GroupRejected(Message, frozen=True):
     reason: RejectReason
     holder: bool = False
     detail: str = ""
+
+
+class EpisodeFailed(Message, frozen=True):
+    """Sampler -> Rewarder (``rollouts``): an episode of this lease failed in the sampler's
+    environment (it raised, or a reset or step passed ``job.episode.turn_timeout_s``), so no
+    group comes for it. With the lease's token, the Rewarder forwards it to the Buffer as a
+    ``GroupRejected`` of the holder (``reason``): the lease is closed ``rejected`` and
+    re-issued at once, counted by reason, never scored as 0, and not held against the
+    sampler's quarantine (the environment failed, not the sampler)."""
+
+    lease_id: int
+    task_id: str
+    attempt: int
+    sampler_id: str
+    lease_token: bytes
+    reason: EnvironmentFailure
+    detail: str = ""
+    """What failed, for the log: ``raised:<ExceptionType>: message`` or the call that timed out."""
 
 
 class LearnerProgress(Message, frozen=True):
@@ -1033,6 +1114,7 @@ AnyMessage = (
     | LeaseQuery
     | LeaseRecords
     | GroupRejected
+    | EpisodeFailed
     | LearnerProgress
     | RolloutGroup
     | ScoredGroup

@@ -126,6 +126,17 @@ TASKS: Registry[str] = Registry(
 )
 """``job.task``: a built-in task or the import path of a class or function returning a Task."""
 
+ENVIRONMENTS: Registry[str] = Registry(
+    "environment",
+    {
+        "chain_addition": "echo2.envs.chain_addition:ChainAddition",
+        "openenv": "echo2.envs.openenv:OpenEnvEnvironment",
+    },
+    path_form="package.module:factory",
+)
+"""``job.episode.environment``: a built-in environment or the import path of a class or
+function returning an ``echo2.envs.Environment`` (one per episode)."""
+
 REWARDS: Registry[str] = Registry(
     "reward",
     {
@@ -141,4 +152,4 @@ REWARDS: Registry[str] = Registry(
 import path of a function ``(prompt, completion) -> float``."""
 
 
-__all__ = ["ACTORS", "ENGINES", "REWARDS", "TASKS", "EngineKind", "Registry", "import_object"]
+__all__ = ["ACTORS", "ENGINES", "ENVIRONMENTS", "REWARDS", "TASKS", "EngineKind", "Registry", "import_object"]

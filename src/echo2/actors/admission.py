@@ -33,11 +33,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from echo2.job import JobConfig
-from echo2.messages import AdmissionWindow, LeaseRecord, RejectReason, RolloutGroup
+from echo2.messages import AdmissionWindow, EpisodeFailed, LeaseRecord, RejectReason, RolloutGroup
 from echo2.models.identity import present_location
 from echo2.models.location import CONFIG_FILE, load_prompt_tokenizer
 from echo2.tasks.base import Prompt
@@ -45,9 +46,10 @@ from echo2.tasks.base import Prompt
 LOGPROB_TOLERANCE = 1e-3
 """A log-probability may exceed 0 by this much (float32 rounding of log-softmax)."""
 
-QUARANTINE_EXEMPT: frozenset[RejectReason] = frozenset({"stale_version"})
+QUARANTINE_EXEMPT: frozenset[RejectReason] = frozenset({"stale_version", "environment_raised", "environment_timeout"})
 """Rejections that do not count toward quarantine: an honest sampler on a slow link makes
-stale work now and then (and a sampler that stays too old is given no leases instead)."""
+stale work now and then (and a sampler that stays too old is given no leases instead); an
+environment that fails on a sampler is the environment's fault, not the sampler's."""
 
 
 PROMPT_ALLOWANCE_BYTES = 1 << 20
@@ -56,12 +58,26 @@ BYTES_PER_SAMPLED_TOKEN = 4 + 4 + 64
 """An id (int32), a log-probability (float32) and the token's text (at most 64 UTF-8 bytes)."""
 
 
+BYTES_PER_TURN = 4 + 1 + 4
+"""A multi-turn group's segment boundary (int32), source (uint8) and version (int32)."""
+
+
 def rollout_group_max_bytes(job: JobConfig) -> int:
     """The largest message a legitimate group of this job can be (a ``ScoredGroup`` adds
     two bytes per sample): the ``max_message_bytes`` of every socket that receives groups,
     so that a peer's bigger frame closes its connection before any of it is buffered."""
     per_sample = job.max_new_tokens * BYTES_PER_SAMPLED_TOKEN + 256  # + finish reason, offsets
+    if job.multi_turn:  # an episode: its tokens, two segments per turn and its return
+        episode = job.episode
+        segments = 2 * episode.max_turns + 1
+        per_sample = episode.max_episode_tokens * BYTES_PER_SAMPLED_TOKEN + segments * BYTES_PER_TURN + 256 + 4
     return PROMPT_ALLOWANCE_BYTES + job.group_size * per_sample
+
+
+def lease_meta(record: LeaseRecord, fields: Sequence[str]) -> dict[str, Any]:
+    """The prompt metadata a lease carries to the sampler's environment: ``fields`` only
+    (``job.episode.lease_fields``), those the row has."""
+    return {name: record.meta[name] for name in fields if name in record.meta}
 
 
 @dataclass(frozen=True)
@@ -110,8 +126,8 @@ Rejection = tuple[RejectReason, str]
 """(reason, detail) of a refused group."""
 
 
-def check_lease(group: RolloutGroup, record: LeaseRecord | None) -> Rejection | None:
-    """Is ``group`` the holder's answer to an open lease? None when it is."""
+def check_lease(group: RolloutGroup | EpisodeFailed, record: LeaseRecord | None) -> Rejection | None:
+    """Is ``group`` (or the report of a failed episode) the holder's answer to an open lease? None when it is."""
     if record is None:
         return "unknown_lease", f"lease {group.lease_id} is not open"
     if not isinstance(group.lease_token, bytes) or group.lease_token != record.token:
@@ -119,8 +135,31 @@ def check_lease(group: RolloutGroup, record: LeaseRecord | None) -> Rejection | 
     return None
 
 
-def check_group(group: RolloutGroup, record: LeaseRecord, window: AdmissionWindow) -> Rejection | None:
+@dataclass(frozen=True)
+class EpisodeAdmission:
+    """What admission checks a multi-turn job's groups against (``JobConfig.episode``)."""
+
+    max_turns: int
+    max_episode_tokens: int
+    replayable: bool
+    """False: the trusted side cannot replay the environment; groups come only from
+    ``trusted_samplers``, and their ``episode_returns`` are the rewards."""
+    trusted_samplers: frozenset[str]
+
+    @classmethod
+    def of_job(cls, job: JobConfig, replayable: bool) -> EpisodeAdmission:
+        episode = job.episode
+        return cls(episode.max_turns, episode.max_episode_tokens, replayable, frozenset(episode.trusted_samplers))
+
+
+def check_group(
+    group: RolloutGroup, record: LeaseRecord, window: AdmissionWindow, episodes: EpisodeAdmission | None = None
+) -> Rejection | None:
     """Everything about a holder's group that must hold before it is scored; None if it does.
+
+    ``episodes``: the job is multi-turn, and every completion is an episode in turn
+    segments (checked by :func:`check_segments`); None: single-turn, and a group with
+    segments is refused.
 
     Never raises on any decoded ``RolloutGroup``: arrays are checked for dtype and rank
     before their values are read.
@@ -137,10 +176,14 @@ def check_group(group: RolloutGroup, record: LeaseRecord, window: AdmissionWindo
     shape = _check_arrays(group, record.group_size)
     if shape is not None:
         return shape
+    if episodes is None and _has_segments(group):
+        return "bad_segments", "turn segments in a single-turn job"
     offsets = group.offsets.astype(np.int64)
     lengths = np.diff(offsets)
-    if int(lengths.max(initial=0)) > record.max_new_tokens:
-        return "too_long", f"a completion of {int(lengths.max())} tokens > max_new_tokens {record.max_new_tokens}"
+    limit = record.max_new_tokens if episodes is None else episodes.max_episode_tokens
+    if int(lengths.max(initial=0)) > limit:
+        what = "max_new_tokens" if episodes is None else "max_episode_tokens"
+        return "too_long", f"a completion of {int(lengths.max())} tokens > {what} {limit}"
     tokens = group.token_ids
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= window.vocab_size):
         return "token_out_of_vocab", f"token ids outside [0, {window.vocab_size})"
@@ -152,6 +195,80 @@ def check_group(group: RolloutGroup, record: LeaseRecord, window: AdmissionWindo
     trusted = record.prompt_token_ids
     if group.prompt_token_ids.shape != trusted.shape or not np.array_equal(group.prompt_token_ids, trusted):
         return "prompt_mismatch", "prompt token ids differ from the trusted tokenization"
+    if episodes is not None:
+        return check_segments(group, record, window, episodes)
+    return None
+
+
+def _has_segments(group: RolloutGroup) -> bool:
+    return any(
+        a is not None for a in (group.turn_offsets, group.turn_sources, group.turn_versions, group.episode_returns)
+    )
+
+
+def check_segments(
+    group: RolloutGroup, record: LeaseRecord, window: AdmissionWindow, episodes: EpisodeAdmission
+) -> Rejection | None:
+    """A multi-turn group's turn segments (``RolloutGroup.turn_*``): well-formed, within the
+    episode's limits, each action within ``max_new_tokens``, every turn's version one S
+    admits and the group's ``version`` the oldest of them, versions never decreasing within
+    an episode, environment tokens with log-prob 0. Whether the environment tokens are the
+    environment's is the replay's question (``echo2.envs.replay``)."""
+    bounds_in, sources_in, versions_in = group.turn_offsets, group.turn_sources, group.turn_versions
+    if bounds_in is None or sources_in is None or versions_in is None:
+        return "bad_segments", "a multi-turn job's group without turn segments"
+    for name, array in (("turn_offsets", bounds_in), ("turn_sources", sources_in), ("turn_versions", versions_in)):
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "iu":
+            return "bad_segments", f"{name} is not a 1-d integer array"
+    k = sources_in.size
+    if bounds_in.size != k + 1 or versions_in.size != k:
+        return "bad_segments", "turn_offsets, turn_sources and turn_versions disagree in length"
+    bounds = bounds_in.astype(np.int64)
+    if bounds[0] != 0 or bool((np.diff(bounds) <= 0).any()) or bounds[-1] != group.token_ids.size:
+        return "bad_segments", "turn_offsets do not rise strictly from 0 to len(token_ids)"
+    offsets = group.offsets.astype(np.int64)
+    if not bool(np.isin(offsets, bounds).all()):
+        return "bad_segments", "a completion boundary inside a turn segment"
+    sources = sources_in.astype(np.int64)
+    if bool(((sources != 0) & (sources != 1)).any()):
+        return "bad_segments", "turn_sources other than 0 (environment) and 1 (model)"
+    model = sources == 1
+    seg_lengths = np.diff(bounds)
+    if int(seg_lengths[model].max(initial=0)) > record.max_new_tokens:
+        return (
+            "too_long",
+            f"an action of {int(seg_lengths[model].max())} tokens > max_new_tokens {record.max_new_tokens}",
+        )
+    sample = np.searchsorted(offsets, bounds[:-1], side="right") - 1  # (K,) completion of each segment
+    turns = np.bincount(sample[model], minlength=group.group_size)
+    if int(turns.min(initial=1)) < 1 or int(turns.max(initial=0)) > episodes.max_turns:
+        return "bad_segments", f"an episode with no action or more than max_turns {episodes.max_turns}"
+    versions = versions_in.astype(np.int64)
+    if bool((versions[~model] != -1).any()):
+        return "bad_segments", "an environment segment with a policy version"
+    turn_versions = versions[model]
+    if int(turn_versions.min()) != group.version:
+        return "bad_segments", f"version {group.version} is not the oldest turn's ({int(turn_versions.min())})"
+    newest = int(turn_versions.max())
+    if group.incarnation == window.incarnation and newest > window.newest:
+        return "unpublished_version", f"a turn of version {newest} newer than {window.newest}"
+    same_episode = sample[model][1:] == sample[model][:-1]
+    if bool((np.diff(turn_versions)[same_episode] < 0).any()):
+        return "bad_segments", "an episode whose turn versions decrease"
+    environment_tokens = np.repeat(~model, seg_lengths)
+    if bool((group.logprobs[environment_tokens] != 0).any()):
+        return "bad_logprobs", "an environment token with a log-probability other than 0"
+    returns = group.episode_returns
+    if returns is not None and (
+        not isinstance(returns, np.ndarray) or returns.dtype.kind != "f" or returns.shape != (group.group_size,)
+        or not bool(np.isfinite(returns).all())
+    ):  # fmt: skip
+        return "bad_segments", "episode_returns is not one finite float per episode"
+    if not episodes.replayable:
+        if record.sampler_id not in episodes.trusted_samplers:
+            return "untrusted_episode", f"{record.sampler_id} is not in job.episode.trusted_samplers"
+        if returns is None:
+            return "bad_segments", "an episode that cannot be replayed, without its returns"
     return None
 
 

@@ -56,6 +56,8 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, until_stopping
 from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
+from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.codec import load_episode_codec
 from echo2.job import JobConfig
 from echo2.messages import (
     LEARNER_METRICS_TOPIC,
@@ -90,6 +92,9 @@ if TYPE_CHECKING:
     from echo2.rl.step import StepSettings
     from echo2.training.trainer import Trainer
 
+
+_FINAL_NOTICE_TIMEOUT_S = 1.0
+"""Seconds a stopping learner offers the Buffer its final checkpoint's notice."""
 
 StoppedBy = Literal["max_steps", "max_wall_s", "stop_request"]
 """Why the learner's loop ended, as ``summary.json`` records it (``stopped_by``)."""
@@ -238,6 +243,10 @@ class Learner(Actor):
         self.policy.model.train()
         self.task = load_job_task(self.job, self.ctx.job_objects)
         self.heldout = self.task.heldout(self.config.eval_prompts)
+        self._environment: EnvironmentSpec | None = None
+        if self.job.multi_turn:  # held-out episodes, judged by the environment (echo2.envs.evaluation)
+            self._environment = load_environment(self.job.episode.environment, self.job.episode.environment_kwargs)
+            self._episode_codec = load_episode_codec(self.job.model, self.job.prompt_format)
         self.version = 0
         self.incarnation = self.config.incarnation
         self.account = TrainingAccount()
@@ -431,6 +440,8 @@ class Learner(Actor):
         from echo2.engines.base import SamplingParams
 
         engine = self._eval_engine
+        if self._environment is not None:
+            return self._evaluate_episodes(self._environment)
         ids = [engine.encode_prompt(p.text) for p in self.heldout]
         completions = engine.greedy(ids, max_new_tokens=self.job.max_new_tokens)
         score = score_heldout(self.task, self.version, self.heldout, [c.text for c in completions])
@@ -451,6 +462,27 @@ class Learner(Actor):
             score = dataclasses.replace(score, sampled=sampled)
         self.policy.model.train()
         return score
+
+    def _evaluate_episodes(self, environment: EnvironmentSpec) -> HeldoutScore:
+        """Greedy held-out episodes (multi-turn jobs; sampled pass@k is not measured)."""
+        from echo2.envs.episode import EpisodeLimits
+        from echo2.envs.evaluation import evaluate_episodes
+
+        episode = self.job.episode
+        evaluation = evaluate_episodes(
+            self._eval_engine,
+            self.heldout,
+            step=self.version,
+            spec=environment,
+            codec=self._episode_codec,
+            limits=EpisodeLimits.of_job(self.job),
+            job_seed=self.job.seed,
+            timeout_s=episode.turn_timeout_s,
+        )
+        if evaluation.failed:
+            self.ctx.log.warning("held-out evaluation: %d episodes failed in the environment", evaluation.failed)
+        self.policy.model.train()
+        return evaluation.score
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -524,7 +556,17 @@ class Learner(Actor):
         # The Buffer may drop what was trained before the checkpoint a resume would fall back
         # to if the newest were damaged: the one before it (none yet: version 0).
         fallback = self._checkpoint_versions[0] if len(self._checkpoint_versions) == 2 else 0
-        await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
+        notice = LearnerCheckpointed(incarnation=self.incarnation, version=fallback)
+        if not self.ctx.stopping.is_set():
+            await self._batches.send(notice)
+            return
+        # The final checkpoint of a stopped run: the Buffer is stopping too (the launcher stops
+        # every process at once) and may be gone, and a send with no peer waits forever, which
+        # cost the drain its summary. A stopping Buffer has no use for the notice.
+        try:
+            await asyncio.wait_for(self._batches.send(notice), _FINAL_NOTICE_TIMEOUT_S)
+        except TimeoutError:
+            self.ctx.log.info("the Buffer did not take the final checkpoint's notice (it stopped first)")
 
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         if not self.evals or self.evals[-1].step != self.version:
@@ -546,6 +588,12 @@ class Learner(Actor):
             "reward_failures_by_reason": (
                 dict(self.buffer_stats.reward_failures) if self.buffer_stats is not None else {}
             ),
+            # Leases whose episode failed in a sampler's environment (re-issued, never scored).
+            "episode_failures_by_reason": {
+                reason: n
+                for reason, n in (self.buffer_stats.rejected if self.buffer_stats is not None else {}).items()
+                if reason.startswith("environment_")
+            },
             "learner_idle_fraction": round(self.wait_s / busy, 4) if busy else 0.0,
             "steps_per_s": round(self.version / wall_s, 3) if wall_s > 0 else 0.0,
             "rollouts_per_s": round(self.rollouts_trained / wall_s, 1) if wall_s > 0 else 0.0,
@@ -573,10 +621,15 @@ class Learner(Actor):
         ``initial_accuracy`` / ``final_accuracy`` / ``accuracy_by_step`` are the older names
         of pass@1, kept for the readers of earlier summaries."""
         first, last = self.evals[0], self.evals[-1]
-        correct = correctness(self.task)
+        judged = last.pass_at_1 is not None if self._environment is not None else correctness(self.task) is not None
+        predicate = (
+            f"correct() of task {self.task.name!r}"
+            if self._environment is None
+            else f"succeeded() of environment {self._environment.name!r} (greedy episodes)"
+        )
         return {
-            "eval_metric": PASS_AT_1 if correct is not None else None,
-            "eval_predicate": f"correct() of task {self.task.name!r}" if correct is not None else None,
+            "eval_metric": PASS_AT_1 if judged else None,
+            "eval_predicate": predicate if judged else None,
             "eval_decoding": "greedy",
             "eval_prompts": last.prompts,
             "initial_pass_at_1": first.pass_at_1,

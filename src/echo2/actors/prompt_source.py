@@ -75,9 +75,16 @@ from msgspec import Meta
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
 from echo2.actors import lease_journal as wal
-from echo2.actors.admission import QUARANTINE_EXEMPT, PromptCodec, RejectionTracker, trusted_prompt_codec
+from echo2.actors.admission import (
+    QUARANTINE_EXEMPT,
+    PromptCodec,
+    RejectionTracker,
+    lease_meta,
+    trusted_prompt_codec,
+)
 from echo2.actors.work_state import GrantFences, reconcile
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
+from echo2.envs.base import episode_seed
 from echo2.job import JobConfig, JobObjects
 from echo2.journal import FsyncPolicy, Journal
 from echo2.messages import (
@@ -791,6 +798,7 @@ class PromptSource(Actor):
             answer=prompt.answer,
             meta=msgspec.to_builtins(prompt.meta, enc_hook=str),  # plain values travel; others as text
             prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+            episode_seed=episode_seed(self.job.seed, prompt.task_id) if self.job.multi_turn else 0,
         )
 
     def _may_lease_to(self, peer: bytes) -> bool:
@@ -899,6 +907,8 @@ class PromptSource(Actor):
             max_new_tokens=job.max_new_tokens,
             min_version=self._min_version(),
             token=lease.record.token,
+            episode_seed=record.episode_seed,
+            episode_meta=lease_meta(record, job.episode.lease_fields),
         )
         # Open (and journaled) before it is sent: its group may be looked up as soon as it is.
         self._journal_append(issued)

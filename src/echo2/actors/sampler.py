@@ -35,6 +35,14 @@ holds (the PromptSource's journal kept them open).
 A PromptSource that answers none of its work states for ``unreachable_log_s`` (a dead
 link, a stopped data process) is named in a log line every ``unreachable_log_s``.
 
+Multi-turn jobs (``[job.episode]``, ``echo2.envs``): each lease is G episodes, played
+here to their end (``echo2.envs.play``: the environment runs on this machine, so an
+episode keeps its state, and the result travels as one ``RolloutGroup`` per lease with
+per-turn segments). Newer weights of the same incarnation are installed between turns,
+and each action records the version that sampled it. An episode whose environment raised
+or timed out fails its lease: ``EpisodeFailed`` goes to the Rewarder instead of a group
+(the lease is re-issued, never scored as 0).
+
 Shutdown: on ``stopping`` it finishes nothing new. Leaving a run that goes on (its process
 stopped alone: Ctrl-C, an elastic worker scaled down), it says ``Goodbye`` and waits up to
 ``goodbye_timeout_s`` for ``GoodbyeSeen``: the PromptSource re-issues its leases now, not at
@@ -58,9 +66,15 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped, until_stopping
 from echo2.actors.work_state import SamplerWork
 from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
+from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.codec import load_episode_codec
+from echo2.envs.episode import EpisodeCodec, EpisodeLimits
+from echo2.envs.play import OTHER_EPISODE_FAILED, EpisodeRequest, episode_group, play_episodes
 from echo2.errors import ModelMismatch, TransportError
+from echo2.job import JobConfig
 from echo2.messages import (
     INSTALLED_TOPIC,
+    EpisodeFailed,
     Goodbye,
     GoodbyeSeen,
     Hello,
@@ -78,6 +92,8 @@ from echo2.messages import (
 )
 from echo2.models.location import is_hf_spec
 from echo2.registry import EngineKind
+from echo2.tasks.base import Prompt
+from echo2.tasks.calls import TimedCalls
 from echo2.transport.peers import connection_routing_id
 from echo2.weights import WeightReceiver
 from echo2.weights.chunks import SnapshotAssembler
@@ -146,6 +162,10 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Repair bytes this sampler may have requested and not yet received."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
+    environment_threads: Annotated[int, Meta(ge=1)] = 64
+    """Worker threads that run environment calls (multi-turn jobs, ``[job.episode]``): a
+    call's timeout runs from its submission, so enough for every episode of a batch
+    (``max_batch_groups`` x G) keeps a slow environment's calls from waiting in a queue."""
 
 
 class Sampler(Actor):
@@ -207,6 +227,10 @@ class Sampler(Actor):
             sealed=ctx.sealed_weights,
         )
         self._receiver.open()
+        self._episodes: _Episodes | None = None
+        if self.job.multi_turn:
+            model = str(self.config.engine_kwargs.get("model_dir") or self.job.model)
+            self._episodes = await asyncio.to_thread(_Episodes.load, self.job, model, self.config, self.name)
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
         self._lease_arrived = asyncio.Event()
@@ -218,7 +242,10 @@ class Sampler(Actor):
         self._installed: PolicyVersion | None = None
         self._welcomed = False  # nothing but Hello goes on ``tasks`` before Welcome
         self._run_ended = asyncio.Event()
-        self.counters = dict.fromkeys(("groups_sent", "samples_generated", "tokens_generated", "installs"), 0)
+        self.counters = dict.fromkeys(
+            ("groups_sent", "samples_generated", "tokens_generated", "installs", "episodes_played", "episodes_failed"),
+            0,
+        )
         self.generate_s = 0.0
         self.wait_weights_s = 0.0
 
@@ -303,6 +330,7 @@ class Sampler(Actor):
             work_states=work.states_sent if work is not None else 0,
             work_restates_for_loss=work.restates_for_loss if work is not None else 0,
             installed_version=self._installed.version if self._installed is not None else -1,
+            env_stuck_threads=self._episodes.calls.stuck if self._episodes is not None else 0,
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,
             price_per_hour=self.config.price_per_hour,
@@ -316,6 +344,9 @@ class Sampler(Actor):
         receiver = getattr(self, "_receiver", None)
         if receiver is not None:
             receiver.close()
+        episodes = getattr(self, "_episodes", None)
+        if episodes is not None:
+            episodes.calls.close()
 
     # -- loops -----------------------------------------------------------------------
 
@@ -508,6 +539,9 @@ class Sampler(Actor):
             await self._generate_batch(batch)
 
     async def _generate_batch(self, batch: list[TaskLease]) -> None:
+        if self._episodes is not None:
+            await self._play_batch(batch, self._episodes)
+            return
         assert self._installed is not None
         made_by = self._installed
         first = batch[0]
@@ -524,8 +558,119 @@ class Sampler(Actor):
             self.counters["groups_sent"] += 1
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
+        await self._answered(batch)
+
+    async def _answered(self, batch: list[TaskLease]) -> None:
+        """The batch's leases are answered (groups or failures sent): state our work, and
+        the PromptSource grants what we can hold and do not."""
         self._work.answered(lease.lease_id for lease in batch)
         await self._state_work()
+
+    async def _play_batch(self, batch: list[TaskLease], episodes: _Episodes) -> None:
+        """Play each lease's G episodes (``echo2.envs.play``), all leases' turns together;
+        send a group per lease, or ``EpisodeFailed`` when its environment failed."""
+        assert self._installed is not None
+        made_by = self._installed
+        first = batch[0]
+        prompt_ids = {lease.lease_id: self.engine.encode_prompt(lease.prompt) for lease in batch}
+        requests = [
+            EpisodeRequest(
+                group=lease.lease_id,
+                prompt=Prompt(task_id=lease.task_id, text=lease.prompt, answer="", meta=dict(lease.episode_meta)),
+                prompt_ids=prompt_ids[lease.lease_id],
+                seed=lease.episode_seed,
+            )
+            for lease in batch
+            for _ in range(lease.group_size)
+        ]
+        generate_s = 0.0
+
+        async def generate(contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
+            nonlocal generate_s
+            started = time.perf_counter()
+            rows = await asyncio.to_thread(self.engine.generate, contexts, 1, params)
+            generate_s += time.perf_counter() - started
+            return [row[0] for row in rows]
+
+        async def between_turns() -> None:
+            # Newer weights of the same incarnation only: one episode's versions are
+            # comparable, and the group names one incarnation.
+            ready = self._ready
+            if ready is not None and ready.key.incarnation == made_by.incarnation:
+                await self._install_ready()
+
+        def version() -> int:
+            assert self._installed is not None
+            return self._installed.version
+
+        played = await play_episodes(
+            requests,
+            factory=episodes.spec.factory,
+            generate=generate,
+            codec=episodes.codec,
+            limits=episodes.limits,
+            calls=episodes.calls,
+            timeout_s=self.job.episode.turn_timeout_s,
+            temperature=first.temperature,
+            top_p=first.top_p,
+            version=version,
+            between_turns=between_turns,
+        )
+        self.generate_s += generate_s
+        for p in played:
+            if p.close_error:
+                self.ctx.log.warning("an environment's close() failed (%s)", p.close_error)
+        by_lease = {lease.lease_id: [p for p in played if p.request.group == lease.lease_id] for lease in batch}
+        for lease in batch:
+            results = by_lease[lease.lease_id]
+            failures = [p.failure for p in results if p.failure is not None]
+            if failures:
+                failure = next((f for f in failures if f.detail != OTHER_EPISODE_FAILED), failures[0])
+                self.counters["episodes_failed"] += 1
+                self.ctx.log.warning(
+                    "task %s: an episode failed (%s: %s)", lease.task_id, failure.reason, failure.detail
+                )
+                await self._rollouts.send(
+                    EpisodeFailed(
+                        lease_id=lease.lease_id,
+                        task_id=lease.task_id,
+                        attempt=lease.attempt,
+                        sampler_id=self.name,
+                        lease_token=lease.token,
+                        reason=failure.reason,
+                        detail=failure.detail[:200],
+                    )
+                )
+                continue
+            group = episode_group(
+                lease,
+                self.name,
+                made_by.incarnation,
+                prompt_ids[lease.lease_id],
+                [p.episode for p in results],
+                episodes.codec,
+                generate_s,
+            )
+            await self._rollouts.send(group)
+            self.ctx.ledger(ledger.Submitted(task=lease.task_id, lease=lease.lease_id, version=group.version))
+            self.counters["groups_sent"] += 1
+            self.counters["episodes_played"] += len(results)
+            self.counters["samples_generated"] += len(results)
+            self.counters["tokens_generated"] += int(group.loss_mask().sum())
+        await self._answered(batch)
+
+
+class _Episodes:
+    """What a Sampler of a multi-turn job plays with (``echo2.envs``)."""
+
+    def __init__(self, spec: EnvironmentSpec, codec: EpisodeCodec, limits: EpisodeLimits, calls: TimedCalls):
+        self.spec, self.codec, self.limits, self.calls = spec, codec, limits, calls
+
+    @classmethod
+    def load(cls, job: JobConfig, model: str, config: SamplerConfig, name: str) -> _Episodes:
+        spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
+        calls = TimedCalls(config.environment_threads, name=f"{name}-env")
+        return cls(spec, load_episode_codec(model, job.prompt_format), EpisodeLimits.of_job(job), calls)
 
 
 def check_model(expected: ModelIdentity, served: ModelIdentity | None) -> None:

@@ -61,13 +61,23 @@ class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
     advantages: np.ndarray  # float32 (B,)
     rewards: np.ndarray  # float32 (B,)
     sampler_ids: tuple[str, ...]  # (B,): who sampled each row
+    loss_masks: tuple[np.ndarray, ...] = ()
+    """B x uint8 (R_b,): 1 for a response token the loss trains on, 0 for a token the
+    policy did not sample (a multi-turn episode's environment observations); () when every
+    response token is trained (single-turn)."""
 
     def __len__(self) -> int:
         return len(self.responses)
 
+    def loss_mask(self, b: int) -> np.ndarray:
+        """uint8 (R_b,): row ``b``'s loss mask."""
+        return self.loss_masks[b] if self.loss_masks else np.ones(len(self.responses[b]), dtype=np.uint8)
+
     @property
     def tokens(self) -> int:
-        """Response tokens in the batch: what the token mean divides by."""
+        """Trained response tokens in the batch: what the token mean divides by."""
+        if self.loss_masks:
+            return int(sum(int(m.sum()) for m in self.loss_masks))
         return sum(len(r) for r in self.responses)
 
     @property
@@ -88,12 +98,16 @@ class TrainingRows(msgspec.Struct, frozen=True, kw_only=True):
             advantages=self.advantages[list(indices)],
             rewards=self.rewards[list(indices)],
             sampler_ids=tuple(self.sampler_ids[i] for i in indices),
+            loss_masks=tuple(self.loss_masks[i] for i in indices) if self.loss_masks else (),
         )
 
 
 def pack_groups(groups: Sequence[ScoredGroup]) -> TrainingRows:
-    """One row per kept completion of each group, with the group's z-score advantage."""
-    prompts, responses, behaviour, samplers = [], [], [], []
+    """One row per kept completion of each group, with the group's z-score advantage. A
+    multi-turn episode is one row (its whole record after the prompt) whose loss mask
+    leaves out the environment's tokens (``RolloutGroup.loss_mask``)."""
+    prompts, responses, behaviour, samplers, masks = [], [], [], [], []
+    multi_turn = any(scored.group.multi_turn for scored in groups)
     advantages: list[np.ndarray] = []
     rewards: list[np.ndarray] = []
     for scored in groups:
@@ -105,12 +119,15 @@ def pack_groups(groups: Sequence[ScoredGroup]) -> TrainingRows:
         a = group_advantages(torch.from_numpy(r.astype(np.float64))[None, :])[0]  # (K,) float64
         rewards.append(r)
         advantages.append(a.numpy().astype(np.float32))
+        mask = g.loss_mask() if multi_turn else None  # (sum T_i,)
         for i in kept.tolist():
             lo, hi = int(g.offsets[i]), int(g.offsets[i + 1])
             prompts.append(g.prompt_token_ids)
             responses.append(g.token_ids[lo:hi])
             behaviour.append(g.logprobs[lo:hi])
             samplers.append(g.sampler_id)
+            if mask is not None:
+                masks.append(mask[lo:hi])
     return TrainingRows(
         prompts=tuple(prompts),
         responses=tuple(responses),
@@ -118,6 +135,7 @@ def pack_groups(groups: Sequence[ScoredGroup]) -> TrainingRows:
         advantages=np.concatenate(advantages) if advantages else np.zeros(0, np.float32),
         rewards=np.concatenate(rewards) if rewards else np.zeros(0, np.float32),
         sampler_ids=tuple(samplers),
+        loss_masks=tuple(masks),
     )
 
 
@@ -264,6 +282,8 @@ def optimiser_step(
         last = k == len(parts) - 1
         with contextlib.nullcontext() if last else _without_gradient_sync(model):
             logp, mask = score(model)  # (n, T), (n, T)
+            if rows.loss_masks:  # environment tokens are context, never trained
+                mask = mask * _loss_mask(rows, indices, mask)  # (n, T)
             behaviour = torch.zeros_like(logp)  # (n, T)
             for i, b in enumerate(indices):
                 lp = rows.behaviour_logprobs[b]
@@ -309,6 +329,15 @@ def optimiser_step(
         objective=GRPOStats(tokens=float(totals[0]), **means),
         mismatch_by_sampler={s: round(g / max(n, 1.0), 6) for s, (g, n) in zip(samplers, gaps, strict=True)},
     )
+
+
+def _loss_mask(rows: TrainingRows, indices: Sequence[int], like: Tensor) -> Tensor:
+    """(n, T) float: the rows' loss masks in the padded layout of ``like`` (0 past each response)."""
+    out = torch.zeros_like(like)  # (n, T)
+    for i, b in enumerate(indices):
+        m = rows.loss_mask(b)  # (R_b,)
+        out[i, : len(m)] = torch.from_numpy(m.astype(np.float32))
+    return out
 
 
 def _without_gradient_sync(model: nn.Module) -> contextlib.AbstractContextManager[object]:

@@ -58,16 +58,25 @@ class Addresses:
     """Process -> port of its ``/metrics`` and ``/health`` (absent: off; ``HostSpec.metrics_port``)."""
 
 
-def ipc_dir_for(run_id: str) -> str:
-    """Directory of this run's ipc sockets (short: socket paths must stay < 100 chars)."""
-    directory = f"/tmp/echo2-{run_id}"
+def ipc_dir_for(run_id: str, run_dir: str = "") -> str:
+    """Directory of this run's ipc sockets (short: socket paths must stay < 100 chars).
+
+    ``run_dir`` (the run directory's path) tells apart runs of the same name started in the
+    same second from different parent directories: their run ids are equal, their
+    directories are not, and sharing one ipc directory would make each talk to the other."""
+    directory = f"/tmp/echo2-{run_id}" + (f"-{_short_hash(run_dir)[:8]}" if run_dir else "")
     if len(directory) > 48:
-        directory = f"/tmp/echo2-{_short_hash(run_id)}"
+        directory = f"/tmp/echo2-{_short_hash(run_id + run_dir)}"
     return directory
 
 
 def derive_addresses(
-    places: Sequence[Placement], hosts: Mapping[str, HostSpec], run_id: str, *, curve: bool = False
+    places: Sequence[Placement],
+    hosts: Mapping[str, HostSpec],
+    run_id: str,
+    *,
+    curve: bool = False,
+    run_dir: str = "",
 ) -> Addresses:
     """Give every port of every placed actor its bind and connect URLs. Pure.
 
@@ -76,7 +85,7 @@ def derive_addresses(
     inproc. Each connector gets one URL per binder of its channel, by the same relation.
     """
     check_channels(places)
-    ipc_dir = ipc_dir_for(run_id)
+    ipc_dir = ipc_dir_for(run_id, run_dir)
     binders: dict[str, list[tuple[Placement, str]]] = {}
     connectors: dict[str, list[Placement]] = {}
     for pl in places:
@@ -172,7 +181,7 @@ def derive_addresses(
     )
 
 
-def topology_addresses(topology: Topology, run_id: str) -> Addresses:
+def topology_addresses(topology: Topology, run_id: str, run_dir: str = "") -> Addresses:
     """The addresses of a validated topology's ports, joined samplers' included (under
     ``JOINED_SAMPLER`` in ``ports`` and ``telemetry``) when a host has a ``join_port``."""
     places, hosts = placements(topology), dict(topology.hosts)
@@ -181,7 +190,7 @@ def topology_addresses(topology: Topology, run_id: str) -> Addresses:
         place, spec = joined
         places.append(place)
         hosts[place.host] = spec
-    return derive_addresses(places, hosts, run_id, curve=topology.security.curve)
+    return derive_addresses(places, hosts, run_id, curve=topology.security.curve, run_dir=run_dir)
 
 
 def _metrics_ports(process_hosts: Mapping[str, str], hosts: Mapping[str, HostSpec]) -> dict[str, int]:

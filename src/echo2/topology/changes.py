@@ -9,7 +9,10 @@ changes it allowed are recorded in ``resumes.jsonl`` (``echo2.rundir``).
 Fields are compared as JSON values, one dotted path per leaf (``job.staleness``,
 ``processes.learner.actors[0].config.lr``); a table or list present on one side only is one
 change at its own path. Not compared: ``resume`` (always true now) and ``run.run_dir`` (the
-parent of new run directories, which a resume does not use).
+parent of new run directories, which a resume does not use). A run recorded by an older
+echo2 lacks the fields added since: the recorded topology is read with today's schema first,
+so such a field counts as its default, and only a value other than the default is a change.
+Actor config tables are compared as written (the resolved topology keeps them raw).
 """
 
 from __future__ import annotations
@@ -46,8 +49,17 @@ def topology_changes(recorded: Any, new: ResolvedTopology) -> list[FieldChange]:
     """The changes from ``recorded`` (the JSON value of a ``topology.resolved.json``) to ``new``, by path."""
     changes: list[FieldChange] = []
     # As the file holds it (a JSON round trip: tuples become lists, as they do on disk).
-    _compare("", recorded, json.loads(msgspec.json.encode(new)), changes)
+    _compare("", _with_defaults(recorded), json.loads(msgspec.json.encode(new)), changes)
     return changes
+
+
+def _with_defaults(recorded: Any) -> Any:
+    """``recorded`` with the defaults of fields it predates filled in; as it is when today's
+    schema cannot read it (a field since removed: that one is then listed as a change)."""
+    try:
+        return json.loads(msgspec.json.encode(msgspec.convert(recorded, ResolvedTopology)))
+    except msgspec.ValidationError:
+        return recorded
 
 
 def _compare(path: str, old: Any, new: Any, out: list[FieldChange]) -> None:

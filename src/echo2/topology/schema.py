@@ -6,7 +6,8 @@ A topology says where actors run; actor code never does. The file has six tables
                       metric_writers, wandb_project, wandb_mode
     [job]             settings several actors share (echo2.job.JobConfig)
     [hosts.NAME]      address, port_base, metrics_port, join_port, cores
-    [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
+    [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s,
+                      gpus, nproc_per_node, nnodes, node_hosts, rdzv_endpoint
     [actors.NAME]     kind, process, replicas, config = {...}
     [security]        curve, keys_dir, allowed
 
@@ -36,6 +37,10 @@ Placement rules worth knowing:
 * ``join_port`` on one host lets samplers outside the topology join the running job
   (``python -m echo2.join``). Addresses are then derived as if a sampler sat on a host of
   its own (``JOIN_HOST``): every channel a sampler uses is reachable over tcp.
+* A process holding a distributed actor (``Actor.torchrun``: the ``distributed_learner``)
+  runs under torchrun, ``nproc_per_node`` ranks on each of ``nnodes`` nodes (one, its
+  ``host``, unless ``node_hosts`` names them); ``gpus`` then lists one GPU per local rank.
+  Ranks are refused for any other process: it has nothing to run on them.
 * Channels are matched by ``Port.channel`` or else the port name. A connector whose channel
   has no binder is an error; a binder without connectors still binds (inproc).
 """
@@ -56,6 +61,7 @@ from msgspec import Meta
 from echo2.actor import Actor, ActorConfig, Port
 from echo2.actors import load_actor_class
 from echo2.config import Name, convert_config
+from echo2.envs.base import check_job_environment
 from echo2.errors import ConfigError, one_line
 from echo2.job import JobConfig
 from echo2.observe.writers import MetricWriterKind, WandbMode
@@ -143,6 +149,21 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Restarts allowed before a death of this process stops the run ("on-failure" only)."""
     restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
     """Seconds before the first restart; doubles per consecutive restart, capped at 30 s."""
+    gpus: list[Annotated[int, Meta(ge=0)]] = []
+    """GPUs this process sees (its ``CUDA_VISIBLE_DEVICES``), as indices among those its
+    host's launcher sees (``echo2.topology.devices``); under torchrun one per local rank.
+    Empty: the launcher's own, unchanged."""
+    nproc_per_node: Annotated[int, Meta(ge=1, le=1024)] = 1
+    """Ranks per node of a process holding a distributed actor (``distributed_learner``),
+    which the launcher starts under torchrun; other processes run one."""
+    nnodes: Annotated[int, Meta(ge=1, le=1024)] = 1
+    """Nodes (machines) such a process spans; more than 1 needs ``node_hosts`` and ``rdzv_endpoint``."""
+    node_hosts: list[str] = []
+    """With ``nnodes`` > 1: the host of each node rank; ``node_hosts[0]`` is ``host`` (global
+    rank 0 runs the actors and binds their ports). Each host's launcher starts its node."""
+    rdzv_endpoint: str = ""
+    """``"address:port"`` where node 0's torchrun serves the rendezvous (static); reachable from
+    every node. Required with ``nnodes`` > 1; otherwise default: a free port on this machine."""
 
 
 class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -321,6 +342,8 @@ def validate(raw: Mapping[str, Any]) -> Topology:
     run = convert_config(_table(raw, "run"), RunSpec, "run")
     job = convert_config(_table(raw, "job"), JobConfig, "job")
     check_job_task(job)
+    if job.multi_turn:
+        check_job_environment(job.episode.environment, job.episode.environment_kwargs)
 
     if "hosts" in raw:
         hosts = {
@@ -396,6 +419,8 @@ def validate(raw: Mapping[str, Any]) -> Topology:
                 'step 0; use restart = "never" and continue a stopped run with --resume RUN_DIR',
                 path=f"processes.{actor.process}.restart",
             )
+    for name, spec in processes.items():
+        check_ranks(name, spec, topology_hosts=hosts, actors=[a for a in actors.values() if a.process == name])
     unused = sorted(set(declared) - set(processes) - {p for p in declared if "{i}" in p})
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))
@@ -468,6 +493,81 @@ def resolve_env_addresses(topology: Topology, environ: Mapping[str, str]) -> Top
     return dataclasses.replace(topology, hosts=hosts)
 
 
+def check_ranks(
+    name: str, spec: ProcessSpec, *, topology_hosts: Mapping[str, HostSpec], actors: Sequence[PlacedActor]
+) -> None:
+    """A process's ranks, nodes and GPUs fit together; ``ConfigError`` naming the field."""
+    where = f"processes.{name}"
+    if len(set(spec.gpus)) != len(spec.gpus):
+        raise ConfigError(f"{spec.gpus} lists a GPU twice", path=f"{where}.gpus")
+    distributed = [a for a in actors if a.cls.torchrun]
+    if len(distributed) > 1:
+        names = ", ".join(a.name for a in distributed)
+        raise ConfigError(f"holds {len(distributed)} distributed actors ({names}); one per process", path=where)
+    if not distributed:
+        for field, value in (("nproc_per_node", spec.nproc_per_node), ("nnodes", spec.nnodes)):
+            if value > 1:
+                held = ", ".join(f"{a.name} ({a.kind})" for a in actors)
+                raise ConfigError(
+                    f'{value} needs an actor that trains across ranks (kind = "distributed_learner"); '
+                    f"process {name!r} holds {held}",
+                    path=f"{where}.{field}",
+                )
+        for field, text in (("node_hosts", spec.node_hosts), ("rdzv_endpoint", spec.rdzv_endpoint)):
+            if text:
+                raise ConfigError(
+                    f"only for a process under torchrun (nnodes > 1); {name!r} is not", path=f"{where}.{field}"
+                )
+        return
+    if spec.gpus and len(spec.gpus) != spec.nproc_per_node:
+        raise ConfigError(
+            f"{len(spec.gpus)} GPU(s) {spec.gpus} for nproc_per_node = {spec.nproc_per_node} ranks: list one per rank",
+            path=f"{where}.gpus",
+        )
+    if spec.rdzv_endpoint:
+        parse_endpoint(spec.rdzv_endpoint, f"{where}.rdzv_endpoint")
+    if spec.nnodes == 1:
+        if spec.node_hosts not in ([], [spec.host]):
+            raise ConfigError(
+                f"{spec.node_hosts} for nnodes = 1: omit it (the node is host {spec.host!r})",
+                path=f"{where}.node_hosts",
+            )
+        return
+    if len(spec.node_hosts) != spec.nnodes:
+        raise ConfigError(
+            f"{len(spec.node_hosts)} host(s) for nnodes = {spec.nnodes}: list the host of each node rank",
+            path=f"{where}.node_hosts",
+        )
+    if spec.node_hosts[0] != spec.host:
+        raise ConfigError(
+            f"node rank 0 runs on {spec.node_hosts[0]!r} but the process's host is {spec.host!r}; they must be the same",
+            path=f"{where}.node_hosts",
+        )
+    for index, host in enumerate(spec.node_hosts):
+        if host not in topology_hosts:
+            raise ConfigError(f"unknown host {host!r}", path=f"{where}.node_hosts[{index}]")
+        if host in spec.node_hosts[:index]:
+            raise ConfigError(f"host {host!r} is listed twice: one node per host", path=f"{where}.node_hosts[{index}]")
+    if not spec.rdzv_endpoint:
+        address = topology_hosts[spec.host].address
+        raise ConfigError(
+            f"required with nnodes = {spec.nnodes}: node 0's rendezvous address:port that every node reaches, "
+            f'e.g. "{address}:29500"',
+            path=f"{where}.rdzv_endpoint",
+        )
+
+
+def parse_endpoint(endpoint: str, path: str) -> tuple[str, int]:
+    """``"address:port"`` (``"[v6]:port"``) -> (address, port); ``ConfigError`` at ``path``."""
+    address, colon, port = endpoint.rpartition(":")
+    address = address.removeprefix("[").removesuffix("]")
+    if not colon or not address or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f'{endpoint!r}: expected address:port with a port in 1-65535, e.g. "10.0.0.1:29500"', path=path
+        )
+    return address, int(port)
+
+
 def check_recorded_ports(record: Sequence[str], actors: Mapping[str, PlacedActor]) -> None:
     """Each ``run.record`` entry names a port of an actor; ``ConfigError`` naming the entry."""
     for index, entry in enumerate(record):
@@ -519,9 +619,11 @@ __all__ = [
     "apply_overrides",
     "channel_of",
     "check_channels",
+    "check_ranks",
     "join_host",
     "joined_placement",
     "load_topology",
+    "parse_endpoint",
     "parse_override",
     "placements",
     "resolve_env_addresses",
