@@ -105,6 +105,17 @@ def test_a_line_cut_by_sigkill_is_skipped_and_no_ledger_is_exit_2(run: Path, tmp
     assert main([str(tmp_path_factory.mktemp("empty"))]) == 2
 
 
+def test_a_host_whose_run_directory_has_no_ledger_is_reported_not_refused(run: Path, tmp_path_factory, capsys) -> None:
+    """An edge host whose sampler never got work writes no ledger: the audit of all hosts
+    lists it and reconciles the others (before: exit 2, and no audit at all)."""
+    edge = tmp_path_factory.mktemp("edge")
+    RunDir(edge).topology_path.write_text("{}")
+    report = audit([run, edge])
+    assert report.ok and report.without_ledger == [str(edge)] and report.accepted == 4
+    assert main([str(run), str(edge)]) == 0
+    assert f"run directories without a ledger: {edge}" in capsys.readouterr().out
+
+
 def test_a_resumed_learner_voids_what_its_predecessor_trained_after_the_checkpoint(run: Path) -> None:
     _write(
         run,

@@ -47,6 +47,7 @@ ENUM_TYPOS = {
     "actors.sampler.config.engine": ("vlm", "Expected one of 'hf', 'simulated', 'torch', 'vllm', got 'vlm'"),
     "actors.sampler.config.weights_data_plane": ("tcp", "Expected one of 'stream', 'zmq', got 'tcp'"),
     "actors.weight_publisher.config.mode": ("chain", "Expected one of 'relay', 'star', 'striped', got 'chain'"),
+    "actors.weight_publisher.config.publication": ("adapt", "Expected one of 'adaptive', 'every', got 'adapt'"),
     "actors.prompt_source.config.journal_fsync": ("fsync", "Expected one of 'always', 'none', got 'fsync'"),
     "actors.buffer.config.journal_fsync": ("sync", "Expected one of 'always', 'none', got 'sync'"),
     "actors.prompt_source.config.activation": (
@@ -76,6 +77,7 @@ BOUND_TYPOS = [
     ("actors.learner.config.lr", "-3e-4", "Expected `float` >= 0.0"),
     ("actors.learner.config.log_every", "0", "Expected `int` >= 1"),
     ("actors.sampler.config.credits", "0", "Expected `int` >= 1"),
+    ("actors.sampler.config.restate_s", "0", "Expected `float` > 0.0"),
     ("actors.rewarder.config.item_timeout_s", "0", "Expected `float` > 0.0"),
     ("actors.prompt_source.config.gamma", "0.9", "Expected `float` >= 1.0"),
     ("actors.weight_publisher.config.send_timeout_s", "-1", "Expected `float` > 0.0"),

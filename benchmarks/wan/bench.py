@@ -21,9 +21,11 @@ condition it reports: learner idle fraction and what the capacity model predicts
 measured T_bcast; versions installed per sampler against those published; each edge's
 weight goodput (version bytes over publication-to-install time, median) and link bytes;
 relay drops; repair counters (the publisher's repair bytes against the bytes missing when
-first requested, summed over samplers); every launcher's exit code and seconds after the learner's
-exit (None: had not exited ``exit_grace_s`` later, then SIGTERM); the outage's recovery;
-the audit. Results go to ``benchmarks/results/wan-<date>.json``.
+first requested, summed over samplers); every launcher's exit code and seconds after the
+learner finished (its ``summary.json`` written; None: had not exited ``exit_grace_s`` after
+the learner host's launcher, then SIGTERM); the outage's recovery (seconds from the link's
+return, or from the kill, to the edge's first group accepted by the Buffer and first
+trained); the audit. Results go to ``benchmarks/results/wan-<date>.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import struct
 import sys
 import time
@@ -251,7 +254,7 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"{'condition':<12} {'steps':>5} {'idle':>6} {'pred':>6} {'T_bcast':>7} {'pub':>4} "
-        f"{'installed a/b/c':>16} {'back after s':>12} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5} {'repair/missing MB':>17}"
+        f"{'installed a/b/c':>16} {'back acc/trained s':>18} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5} {'repair/missing MB':>17}"
     ]
     for name, r in rows.items():
         samplers = r["samplers"]
@@ -261,10 +264,12 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             f"{r['exit_codes'].get(h)}@{_fmt(r['exit_after_learner_s'].get(h))}"
             for h in ("learner", "edge-a", "edge-b", "edge-c")
         )
-        back = r["outage"]["first_trained_after_up_s"] if r["outage"] else None
+        back = "-"
+        if r["outage"]:
+            back = f"{_fmt(r['outage']['first_accepted_after_up_s'])}/{_fmt(r['outage']['first_trained_after_up_s'])}"
         lines.append(
             f"{name:<12} {r['steps']:>5} {_fmt(r['learner_idle_fraction']):>6} {_fmt(r['predicted_idle_fraction']):>6} "
-            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {_fmt(back):>12} {good:>22} {exits:>24} {r['audit_exit']:>5} "
+            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {back:>18} {good:>22} {exits:>24} {r['audit_exit']:>5} "
             f"{_fmt(r['repair_mbytes_sent']) + '/' + _fmt(r['missing_mbytes']):>17}"
         )
     return "\n".join(lines)
@@ -292,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in args.conditions:
         print(f"benchmarks.wan: {name} ...", file=sys.stderr, flush=True)
+        load_before = os.getloadavg()
         raw[name] = run_condition(CONDITIONS[name], args.seconds, work, probe=not args.no_validate)
         rows[name] = analyse(raw[name]["result"])
+        # The machine is shared: what else ran beside the condition (1-minute averages).
+        rows[name]["load_average_1m"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
         if raw[name]["validation"] is not None:
             print(f"  emulator: {json.dumps(raw[name]['validation'])}", file=sys.stderr)
         print(f"  {json.dumps(rows[name])}", file=sys.stderr, flush=True)

@@ -300,6 +300,29 @@ async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any,
             task.cancel()
 
 
+STATS_RECORD_KIND = "stats"
+"""``kind`` of the metrics lines ``record_statistics`` writes."""
+
+
+async def record_statistics(actor: Actor, every_s: float) -> None:
+    """Write ``actor.statistics()`` to its metrics file (``kind = "stats"``: the record's
+    ``type`` and fields) every ``every_s`` seconds, and once more when cancelled, as the
+    actor stops: counters that only heartbeats carried stay in the run directory. A loop
+    for ``run_until_stopped``."""
+    try:
+        while True:
+            await asyncio.sleep(every_s)  # a timer: the records are periodic
+            _record_statistics(actor)
+    finally:
+        _record_statistics(actor)
+
+
+def _record_statistics(actor: Actor) -> None:
+    stats = actor.statistics()
+    if isinstance(stats, Statistics):
+        actor.ctx.record(STATS_RECORD_KIND, **msgspec.to_builtins(stats))
+
+
 T = TypeVar("T")
 
 

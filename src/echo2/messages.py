@@ -354,6 +354,10 @@ class SamplerStats(Statistics, frozen=True):
     weight_forward_failures: int = 0
     """Successors skipped for a version: their stream took no byte in the forward timeout,
     or could not be opened."""
+    work_states: int = 0
+    """Work states sent (``WorkRequest`` with ``max_leases``: ``echo2.actors.work_state``)."""
+    work_restates_for_loss: int = 0
+    """Of those, sent at once because leases a grant said were on their way never came."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""
@@ -420,6 +424,11 @@ class PromptSourceStats(Statistics, frozen=True):
     """Samplers given no more leases (repeated rejections); see the ``quarantined`` ledger event."""
     leases_withheld_old_version: int = 0
     """Times a sampler with credit was passed over because its installed version is too old."""
+    leases_lost_in_transit: int = 0
+    """Leases a sampler's work state showed it never received (sent before a grant it
+    acknowledged: lost with a torn connection), re-issued at once."""
+    work_states: int = 0
+    """Work states (``WorkRequest`` with ``max_leases``) reconciled."""
     samplers_left: int = 0
     """Samplers that said ``Goodbye`` (left a run that goes on)."""
     leases_returned_on_leaving: int = 0
@@ -490,7 +499,15 @@ class PublisherStats(Statistics, frozen=True):
     uplink_bytes: int = 0
     latest_version: int = -1
     t_bcast_s: float = -1.0
-    """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
+    """Broadcast time (publication to ceil(active / gamma) installs): the median of the
+    recent versions that reached it, or, when recent versions stop short of it (superseded,
+    slow members), the longest one streamed without reaching it (a lower bound:
+    ``t_bcast_lower_bound``); -1: none yet."""
+    t_bcast_lower_bound: bool = False
+    held: int = 0
+    """Times a newer snapshot waited for the version in flight to land (adaptive publication)."""
+    broadcast_bound: bool = False
+    """T_bcast exceeds kappa x T_train: broadcast, not training, sets the pace."""
     refused_subscribers: dict[str, int] = {}
     """``WeightSubscribe`` claims to a name refused, by ``RefusalReason``."""
     unbound_dropped: dict[str, int] = {}
@@ -589,19 +606,60 @@ class MetricsRecord(Message, frozen=True):
 
 
 class WorkRequest(Message, frozen=True):
-    """A sampler grants ``credits`` more tasks of work (credit-based flow control), and says
-    which policy version it has installed ((-1, -1): none). A sampler whose installed
-    version is older than the staleness bound admits is given no leases until it reports a
-    newer one (``credits = 0`` reports an install without asking for more work)."""
+    """A sampler asks for work (credit-based flow control) and says which policy version it
+    has installed ((-1, -1): none). A sampler whose installed version is older than the
+    staleness bound admits is given no leases until it reports a newer one.
+
+    Two forms. With ``max_leases >= 0`` it is a *work state*, idempotent: the sampler states
+    how many leases it can hold (``max_leases``), the leases it holds (``held``: received, not
+    yet answered) and the ones it answered lately (``submitted``); the PromptSource sets its
+    credit to ``max_leases`` minus what it holds, re-issues at once the leases it sent that
+    the sampler never received, and answers with ``WorkGrant(sync)``. ``acked`` names the
+    last ``WorkGrant`` received: every lease sent before it has arrived or was lost, so
+    only those are judged lost. A lost state or grant is repaired by the next state; a
+    sampler sends one after each batch, each install, and every few seconds while it holds
+    fewer than ``max_leases``. With ``max_leases = -1`` (the older form) ``credits`` more leases
+    are granted, adding up; a request lost with a torn connection stays lost."""
 
     sampler_id: str
-    credits: int
+    credits: int = 0
     incarnation: int = -1
     installed_version: int = -1
+    max_leases: int = -1
+    """Leases this sampler can hold at once (-1: the older form: ``credits`` adds up)."""
+    held: list[int] = []
+    """Lease ids received and not yet answered (being generated or queued)."""
+    submitted: list[int] = []
+    """Lease ids answered lately (their groups may still be on their way): not lost."""
+    sync: int = 0
+    """This state's number, increasing per connection; the ``WorkGrant`` echoes it."""
+    acked: int = 0
+    """``sync`` of the last ``WorkGrant`` this sampler received (0: none yet)."""
+
+    @property
+    def states_work(self) -> bool:
+        return self.max_leases >= 0
 
     @property
     def installed(self) -> PolicyVersion:
         return PolicyVersion(self.incarnation, self.installed_version)
+
+
+class WorkGrant(Message, frozen=True):
+    """PromptSource -> sampler on ``tasks``: the answer to a work state (``WorkRequest`` with
+    ``max_leases``). Every lease sent before it on this connection has arrived before it.
+
+    ``credits`` leases follow (unless the window is full); ``pending`` leases were counted
+    as on their way when the state was judged (sent after the grant it acknowledged): a
+    sampler that received fewer than ``pending`` leases between its state and this grant
+    lost some, and says its state again at once (acknowledging this grant) so that they are
+    re-issued. ``reissued``: leases judged lost by this state, re-issued to anyone."""
+
+    server_id: str
+    sync: int
+    credits: int
+    pending: int = 0
+    reissued: int = 0
 
 
 class TaskLease(Message, frozen=True):
@@ -912,6 +970,9 @@ class Snapshot(Message, _Versioned, frozen=True):
     adapter: LoraAdapter | None = None
     """Set: ``tensors`` are LoRA adapter weights on the job's base model, not the policy's
     full state (``echo2.models.adapters``)."""
+    train_s: float = 0.0
+    """The learner's recent mean seconds per update (T_train; 0: not measured yet): the
+    publisher holds it against T_bcast (``echo2.capacity.publication``)."""
 
 
 class WeightDelta(msgspec.Struct, frozen=True):
@@ -1085,6 +1146,7 @@ AnyMessage = (
     | LearnerMetrics
     | MetricsRecord
     | WorkRequest
+    | WorkGrant
     | TaskLease
     | ExpireLease
     | LeaseQuery

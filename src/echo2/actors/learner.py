@@ -340,7 +340,15 @@ class Learner(Actor):
             # A learner no batch reaches (samplers that cannot produce, a peer on a dead
             # link) still stops on request and writes its summary: what it did not train
             # is as much the run's result as what it did.
-            received, batch = await until_stopping(self.ctx.stopping, self._receive_batch())
+            budget_s = self.config.max_wall_s - (time.monotonic() - started) if self.config.max_wall_s else None
+            try:
+                # Its own budget bounds a starved wait too, or it would outlive max_wall_s.
+                async with asyncio.timeout(budget_s):
+                    received, batch = await until_stopping(self.ctx.stopping, self._receive_batch())
+            except TimeoutError:
+                self.ctx.log.info("wall-clock budget of %.0f s reached waiting for a batch", self.config.max_wall_s)
+                stopped_by = "max_wall_s"
+                break
             if not received:
                 stopped_by = "stop_request"
                 break
@@ -476,6 +484,7 @@ class Learner(Actor):
                 data=flat,
                 created_at_s=time.time(),
                 adapter=self.trainer.adapter if isinstance(self.trainer, LoraTrainer) else None,
+                train_s=_mean(self._recent_train_s),
             )
         )
 

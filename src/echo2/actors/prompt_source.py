@@ -7,9 +7,13 @@ Input: ``tasks`` (ROUTER) — ``Hello`` and ``WorkRequest(credits)`` from Sample
 ``completions`` (PULL) — ``LeaseClosed`` and ``LearnerProgress`` from the Buffer.
 Output: ``TaskLease`` to samplers with credit; ``ExpireLease`` to the Buffer (``lease_control``).
 
-Backpressure: work is pulled, never pushed. A sampler receives at most the credits it
-granted (capped by ``max_credits_per_sampler``), samplers with credit are served one lease
-each in turn, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
+Backpressure: work is pulled, never pushed. A sampler states the leases it can hold and
+the ones it holds (``WorkRequest`` as a work state, ``echo2.actors.work_state``); its credit
+is what it can hold minus what it holds or has on its way (capped by
+``max_credits_per_sampler``), set at each state and never added up, so a state or a lease
+lost with a torn connection is repaired by the next state: leases sent before the
+``WorkGrant`` a state acknowledges that the sampler never received are re-issued at once.
+Samplers with credit are served one lease each in turn, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
 leased or stored but not yet trained, so generation cannot run ahead of the learner by
 more than the staleness budget allows. Each lease carries ``min_version`` (the learner's
 next version minus S): samplers wait for weights rather than make work that would arrive
@@ -19,7 +23,8 @@ Loss recovery: a lease whose deadline passes is offered to the Buffer for expiry
 Buffer answers ``stored`` (a result already landed: nothing to do) or ``expired`` (no
 result can be trained any more: re-issue with ``attempt + 1``). A task is dropped after
 ``max_attempts``. A sampler that disconnects simply stops being offered work; its leases
-expire.
+expire, or, if it comes back (a link outage), its next work state re-issues the ones it
+never received and restores its credit.
 
 Activation (``echo2.capacity.scheduler``): the PromptSource binds the ``telemetry`` channel
 and feeds the scheduler the heartbeats (sampler availability and price, the learner's
@@ -77,6 +82,7 @@ from echo2.actors.admission import (
     lease_meta,
     trusted_prompt_codec,
 )
+from echo2.actors.work_state import GrantFences, reconcile
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.envs.base import episode_seed
 from echo2.job import JobConfig, JobObjects
@@ -105,6 +111,7 @@ from echo2.messages import (
     TaskLease,
     WeightsInstalled,
     Welcome,
+    WorkGrant,
     WorkRequest,
 )
 from echo2.rundir import RunDir
@@ -260,6 +267,8 @@ class PromptSource(Actor):
                 "leases_rejected",
                 "quarantined_samplers",
                 "leases_withheld_old_version",
+                "leases_lost_in_transit",
+                "work_states",
                 "samplers_left",
                 "leases_returned_on_leaving",
             ),
@@ -290,6 +299,7 @@ class PromptSource(Actor):
         self._unwelcomed_dropped: dict[str, int] = {}
         self._asked_hello: dict[bytes, float] = {}  # route -> when it was last sent SayHello
         self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
+        self._fences = GrantFences()  # per connection: which leases each WorkGrant follows
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
@@ -539,18 +549,67 @@ class PromptSource(Actor):
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
                     await self._ask_hello(peer)
                 elif isinstance(message, WorkRequest):
-                    # Clamped: a peer asking for 10^6 leases would get every task the window
-                    # admits, starving the other samplers until those leases expire.
-                    held = sum(1 for lease in self._leases.values() if lease.sampler == peer)
-                    allowed = max(0, self.config.max_credits_per_sampler - held)
-                    wanted = self._credits.get(peer, 0) + max(0, message.credits)
-                    if wanted > allowed:
-                        name = self._sampler_name(peer)
-                        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
-                        wanted = allowed
-                    self._credits[peer] = wanted
                     self._installed[peer] = message.installed_version
+                    if message.states_work:
+                        await self._reconcile(peer, message)
+                    else:
+                        self._add_credits(peer, message.credits)
                     self._wakeup.set()
+
+    def _count_clamped(self, peer: bytes) -> None:
+        name = self._sampler_name(peer)
+        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
+
+    def _add_credits(self, peer: bytes, credits: int) -> None:
+        """The older form of ``WorkRequest``: ``credits`` more, adding up. Clamped: a peer
+        asking for 10^6 leases would get every task the window admits, starving the other
+        samplers until those leases expire."""
+        held = sum(1 for lease in self._leases.values() if lease.sampler == peer)
+        allowed = max(0, self.config.max_credits_per_sampler - held)
+        wanted = self._credits.get(peer, 0) + max(0, credits)
+        if wanted > allowed:
+            self._count_clamped(peer)
+            wanted = allowed
+        self._credits[peer] = wanted
+
+    async def _reconcile(self, peer: bytes, state: WorkRequest) -> None:
+        """A work state (``echo2.actors.work_state``): set the connection's credit from what
+        it can hold and holds, re-issue at once the leases it never received, and answer
+        with the ``WorkGrant`` that fences the leases sent so far."""
+        self.counters["work_states"] += 1
+        mine = [lease for lease in self._leases.values() if lease.sampler == peer]
+        fence = self._fences.fence_of(peer, state.acked) if state.acked else None
+        judged = reconcile(
+            state,
+            (lease.lease_id for lease in mine if not lease.expiring),
+            fence,
+            self.config.max_credits_per_sampler,
+        )
+        if judged.clamped:
+            self._count_clamped(peer)
+        if judged.lost:
+            # Sent before a grant that arrived, yet never received: lost with a torn
+            # connection. Through the Buffer, like any expiry: it may have been stored.
+            now = time.monotonic()
+            for lease_id in judged.lost:
+                self._leases[lease_id].deadline = now
+                heapq.heappush(self._deadlines, (now, lease_id))
+            self.counters["leases_lost_in_transit"] += len(judged.lost)
+            self.ctx.log.info(
+                "sampler %s never received %d lease(s) (a torn connection); re-issuing them",
+                self._sampler_name(peer),
+                len(judged.lost),
+            )
+        self._credits[peer] = judged.credits
+        self._fences.granted(peer, state.sync, (lease.lease_id for lease in mine if lease.restored))
+        grant = WorkGrant(
+            server_id=self.name,
+            sync=state.sync,
+            credits=judged.credits,
+            pending=judged.pending,
+            reissued=len(judged.lost),
+        )
+        await self._tasks_ep.send(peer, grant)
 
     async def _farewell(self, peer: bytes, goodbye: Goodbye) -> None:
         """A sampler leaves: expire what it holds now, forget it, and say so (``GoodbyeSeen``).
@@ -558,6 +617,7 @@ class PromptSource(Actor):
         name = self._peers.name_of(peer)
         self._credits.pop(peer, None)
         self._installed.pop(peer, None)
+        self._fences.forget(peer)
         now = time.monotonic()
         held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
         for lease in held:
@@ -583,6 +643,7 @@ class PromptSource(Actor):
         if isinstance(outcome, Refusal):
             self.counters["refused_peers"] += 1
             self._credits.pop(peer, None)  # a connection refused now keeps nothing it had
+            self._fences.forget(peer)
             if self._peers.name_of(peer) is not None:
                 self._peers.release(peer)
             self.ctx.log.warning("refused sampler %s (%r): %s", hello.peer_id, peer, outcome.message)
@@ -604,6 +665,7 @@ class PromptSource(Actor):
         previous = {peer} if outcome.replaced is None else {peer, outcome.replaced}
         if outcome.replaced is not None:
             self._credits.pop(outcome.replaced, None)
+            self._fences.forget(outcome.replaced)
         now = time.monotonic()
         # Except the leases a previous incarnation of this PromptSource sent on this very
         # connection: the sampler kept running through our restart and may deliver them.
@@ -886,6 +948,8 @@ class PromptSource(Actor):
             waiting = deque(peer for peer, credit in self._credits.items() if credit > 0 and self._may_lease_to(peer))
             while waiting and self._inflight() < self._max_inflight:
                 peer = waiting.popleft()
+                if self._credits.get(peer, 0) <= 0:  # a work state or Hello meanwhile took it
+                    continue
                 outcome = await self._lease_one(peer)
                 if outcome == "no_task":
                     break
@@ -942,8 +1006,13 @@ class PromptSource(Actor):
         )
         self._journal_append(issued)
         self._leases[lease.lease_id] = lease
+        # Its credit is used before the send, which may wait: a work state judged meanwhile
+        # counts this lease as on its way, and must not see the credit it took as well.
+        if peer in self._credits:
+            self._credits[peer] -= 1
         if not await self._tasks_ep.send(peer, message):
-            # The sampler is gone: put the task back, forget its credit.
+            # The sampler is gone (or its link is down): put the task back; its credit
+            # comes back with its next work state.
             del self._leases[lease.lease_id]
             self._journal_append(wal.Settled(lease_id=lease_id, requeue=True, front=True))
             self.ctx.ledger(ledger.LeaseClosed(task=prompt.task_id, lease=lease_id, outcome="expired", reason="unsent"))
@@ -951,12 +1020,11 @@ class PromptSource(Actor):
             if peer in self._credits:
                 self._credits[peer] = 0
             return "gone"
+        self._fences.lease_sent(peer, lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         self.counters["leases_issued"] += 1
         if attempt:
             self.counters["leases_reissued"] += 1
-        if peer in self._credits:  # a Hello during the send may have reset or removed it
-            self._credits[peer] -= 1
         return "leased"
 
 

@@ -6,6 +6,8 @@ Sets logging and torch's thread count for this process, builds the group's actor
 them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them. Exit code 1
 when an actor failed, 74 when it failed because the run directory could not be written
 (full, read-only: the last line names the path and the error; ``echo2.launch.exits``).
+Once everything is closed it leaves without the interpreter's finalization
+(``exits.exit_process``: native threads could abort a finished process there).
 
 The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
 without stopping us (SIGKILL), the kernel sends SIGHUP (``PR_SET_PDEATHSIG``; elsewhere a
@@ -336,4 +338,4 @@ def _run_loop(coro) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.exit_process(main())

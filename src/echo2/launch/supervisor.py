@@ -38,7 +38,8 @@
   process exited 0, or every process exited 0); 1 when a process failed or the run directory
   could not be written (full disk, read-only: the line names the path and the error; a
   child that cannot write exits 74 and is not restarted); 2 for a bad
-  topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``);
+  topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``),
+  or when the learner's own budget (``max_wall_s``) ran out before it trained one step;
   128 + the signal's number when stopped by one: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (a
   closed terminal; not handled when the launcher was started with SIGHUP ignored, as
   ``nohup`` does). The last line says which, and ``status.json`` records it.
@@ -232,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
             return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
+    # The report is about the trusted side's records (steps, activation, broadcast): a host
+    # of workers only has none, and its launcher exits with its samplers instead of after
+    # seconds of plotting nothing.
+    reported = any(a.cls.trusted for name in names for a in topology.actors_in(name))
     launcher = Launcher(resolved, resolved_path, names, completes, node_ranks=ranks, host_gpus=host_gpus)
     try:
         return asyncio.run(launcher.run())
@@ -239,9 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exits.SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
-            from echo2.tools.report import write_report
+            if reported:
+                from echo2.tools.report import write_report
 
-            write_report(run_dir)
+                write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
 
@@ -850,7 +856,14 @@ class Launcher:
                 self._begin_shutdown(f"process {child.name!r} {failed}", exits.FAILED)
         elif child.completes_run and not self.shutting_down:
             self.say(f"{child.describe()} completed the run")
-            self._begin_shutdown(f"process {child.name!r} completed the run", 0)
+            summary = self._summary()
+            if summary.get("steps") == 0 and summary.get("stopped_by") not in (None, "max_steps"):
+                # Its own budget (max_wall_s) ran out before any batch came: nothing trained
+                # is no success, whatever stopped it.
+                why = f"process {child.name!r} stopped ({summary['stopped_by']}) before training any step"
+                self._begin_shutdown(why, exits.DEADLINE)
+            else:
+                self._begin_shutdown(f"process {child.name!r} completed the run", 0)
         else:
             self.say(f"{child.describe()} exited")
 
@@ -896,14 +909,19 @@ class Launcher:
 
     def _steps_trained(self) -> int | None:
         """Steps in the summary the learner of this host wrote during this launch, if it did."""
+        steps = self._summary().get("steps")
+        return steps if isinstance(steps, int) else None
+
+    def _summary(self) -> dict[str, Any]:
+        """The summary the learner of this host wrote during this launch ({} if none)."""
         path = self.layout.summary_path
         try:
             if path.stat().st_mtime < self._started_at:  # a previous launch's (before --resume)
-                return None
-            steps = json.loads(path.read_text()).get("steps")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return steps if isinstance(steps, int) else None
+                return {}
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return summary if isinstance(summary, dict) else {}
 
 
 async def _close_server(server: asyncio.Server) -> None:

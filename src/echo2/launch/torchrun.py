@@ -204,4 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if sys.argv[1:2] == ["agent"]:
+        raise SystemExit(code)  # torchrun's agent: its own exit handlers (log directories) run
+    from echo2.launch.exits import exit_process
+
+    exit_process(code)  # a rank, after destroy_process_group: no finalization racing torch's threads

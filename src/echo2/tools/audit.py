@@ -5,7 +5,9 @@
 Several run directories (one per host of a multi-host run) are merged. Reads
 ``ledger/*.jsonl`` (the events of ``echo2.ledger``, written by the actors through
 ``ActorContext.ledger``) and the budget ``S`` from ``topology.resolved.json``. Exit status 0 when the accounting holds, 1 on any
-violation, 2 when a directory holds no ledger.
+violation, 2 when a directory is no run directory. A run directory without a ledger (a
+host whose actors never wrote an event, e.g. a sampler that never got work) is listed
+under ``without_ledger`` and the others are audited.
 
 Per task (one prompt's group), the Buffer decides exactly once: ``accepted`` or
 ``rejected`` (late, duplicate, stale on arrival, reward failure), or dropped by dynamic
@@ -115,6 +117,8 @@ class AuditReport:
     identity_holds: bool = True
     unreadable_lines: list[str] = field(default_factory=list)
     """Complete lines that are no ledger event (``file:line: why``); reported, not counted."""
+    without_ledger: list[str] = field(default_factory=list)
+    """Run directories given that hold no ledger (nothing in them to reconcile)."""
 
     @property
     def ok(self) -> bool:
@@ -146,6 +150,7 @@ def _budget(run_dirs: Sequence[Path]) -> int | None:
 
 def audit(run_dirs: Sequence[Path]) -> AuditReport:
     report = AuditReport(staleness_budget=_budget(run_dirs), run_failed=_run_failed(run_dirs))
+    report.without_ledger = [str(d) for d in run_dirs if not RunDir(d).ledger_dir.is_dir()]
     contents = ledger.read(run_dirs)
     report.unreadable_lines = contents.unknown_lines
     leased: set[str] = set()
@@ -289,6 +294,8 @@ def _summary_lines(report: AuditReport) -> list[str]:
         lines.append(f"quarantined: {sampler}: {why}")
     if report.run_failed:
         lines.append(f"run failed: {report.run_failed}")
+    if report.without_ledger:
+        lines.append(f"run directories without a ledger: {', '.join(report.without_ledger)}")
     if report.unreadable_lines:
         lines.append(f"unreadable ledger lines: {len(report.unreadable_lines)} (e.g. {report.unreadable_lines[0]})")
     lines.append("accounting identity: " + ("holds" if report.identity_holds else "VIOLATED"))
@@ -302,8 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     for run_dir in args.run_dirs:
-        if not RunDir(run_dir).ledger_dir.is_dir():
-            print(f"echo2.audit: {run_dir}: no ledger/ directory (not a run dir?)", file=sys.stderr)
+        if not RunDir(run_dir).ledger_dir.is_dir() and not RunDir(run_dir).is_run_dir():
+            print(
+                f"echo2.audit: {run_dir}: neither a ledger/ nor topology.resolved.json (not a run dir?)",
+                file=sys.stderr,
+            )
             return 2
     report = audit(args.run_dirs)
     if args.json:

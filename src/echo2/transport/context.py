@@ -181,6 +181,7 @@ def _apply_options(socket: zmq.Socket, socket_type: int, options: SocketOptions,
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, options.heartbeat_timeout_ms)
     socket.setsockopt(zmq.RECONNECT_IVL, options.reconnect_ivl_ms)
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, options.reconnect_ivl_max_ms)
+    socket.setsockopt(zmq.CONNECT_TIMEOUT, options.connect_timeout_ms)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     if socket_type == zmq.ROUTER:
