@@ -173,6 +173,7 @@ class Sampler(Actor):
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
             sealed=ctx.sealed_weights,
+            finish_within=self.job.staleness,
         )
         self._receiver.open()
         self._leases: deque[TaskLease] = deque()

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     NO_VERSION,
     ChunkRequest,
@@ -41,12 +40,15 @@ from echo2.weights.chunks import (
     prefaulted_buffer,
 )
 from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
+from echo2.weights.lanes import Lanes, Outcome
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
     DEFAULT_MAX_OUTSTANDING_BYTES,
+    K,
     RateMeter,
     RepairPacer,
     RepairTally,
+    StreamCount,
     transfer_deadline_s,
 )
 from echo2.weights.plan import (
@@ -54,12 +56,10 @@ from echo2.weights.plan import (
     MAX_REPAIR_INDICES,
     NO_LINK,
     RELAY_HWM,
-    ChunkSender,
     announce_url,
     chunk_sender,
     max_message_bytes,
     relay_bind_url,
-    send_chunk,
 )
 from echo2.weights.seal import opener_for
 from echo2.weights.shm import map_snapshot, shm_identity
@@ -67,6 +67,7 @@ from echo2.weights.stream import SCHEME as STREAM_SCHEME
 from echo2.weights.stream import (
     ChunkStreamServer,
     StreamCredentials,
+    is_stream_address,
     stream_mac,
 )
 
@@ -137,8 +138,17 @@ class WeightReceiver:
         data_plane: str = "stream",
         shm_dir: str | None = None,
         sealed: bool = False,
+        finish_within: int = 0,
+        max_streams: int = 128,
     ) -> None:
-        """``sealed`` (``[security]``): the relay inbox admits only senders that prove the
+        """``finish_within`` (versions; the job's staleness ``S``): a newer version that
+        arrives while this one is half held or more waits until this one is complete and
+        handed over, as long as this one is fewer than ``finish_within`` versions older
+        (rollouts made with it are then still admissible); 0: the newer one always takes
+        over at once. ``max_streams``: parallel chunk streams to each successor, at most
+        (``echo2.weights.lanes``).
+
+        ``sealed`` (``[security]``): the relay inbox admits only senders that prove the
         plan's stream secret and are the publisher or this member's predecessor
         (``echo2.weights.stream``). Sealed versions (``echo2.weights.seal``) are opened
         whenever their manifest carries a key, sealed or not.
@@ -188,6 +198,7 @@ class WeightReceiver:
         self._bytes_in = 0  # bytes of the assembling version taken in off the chunk streams
         self._pacer: RepairPacer | None = None  # of the version being assembled, once it repairs
         self._pacer_key: PolicyVersion | None = None
+        self._refilling = False
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
         # Delta versions (``echo2.weights.delta``): the last complete version's state (the
@@ -203,7 +214,11 @@ class WeightReceiver:
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
         self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
-        self._pushes: dict[str, ChunkSender] = {}
+        self._lanes: dict[str, Lanes] = {}  # successor address -> its lanes
+        self._counts: dict[str, StreamCount] = {}  # successor address -> stream count (outlives lanes)
+        self.max_streams = max_streams
+        self.finish_within = finish_within
+        self._parked: WeightManifest | None = None  # a newer version waiting for this one to finish
         self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
         self._slots = asyncio.Semaphore(verify_threads)
         self._verify_threads = verify_threads
@@ -230,6 +245,8 @@ class WeightReceiver:
                 "delta_base_missing",
                 "delta_rejected",
                 "dense_requests",
+                "versions_finished",
+                "versions_abandoned",
             ),
             0,
         )
@@ -270,9 +287,9 @@ class WeightReceiver:
         return self.relay_address
 
     def close(self) -> None:
-        for push in self._pushes.values():
-            push.close()
-        self._pushes.clear()
+        for lanes in self._lanes.values():
+            lanes.close()
+        self._lanes.clear()
         if self._inbox is not None:
             self._inbox.close()
         if self._stream is not None:
@@ -329,8 +346,13 @@ class WeightReceiver:
         return self._complete_key
 
     def newest(self) -> PolicyVersion | None:
+        """The newest version this receiver knows of: installed, complete, being
+        assembled or rebuilt, or waiting for the one being assembled to finish."""
+        parked = self._parked.policy_version if self._parked is not None else None
         keys = [
-            k for k in (self._complete_key, self.assembling, self._installed_key, self._rebuilding) if k is not None
+            k
+            for k in (self._complete_key, self.assembling, self._installed_key, self._rebuilding, parked)
+            if k is not None
         ]
         return max(keys) if keys else None
 
@@ -446,6 +468,9 @@ class WeightReceiver:
         self._successors = {}
         self._successor_names = {}
         self._dead_successors = set()
+        if assembler is not None:
+            for lanes in self._lanes.values():  # chunks of older versions not yet gone
+                lanes.discard(lambda key: isinstance(key, PolicyVersion) and key >= assembler.key)
         if plan is None or assembler is None or plan.policy_version != assembler.key:
             return
         for chain in plan.chains:
@@ -469,6 +494,11 @@ class WeightReceiver:
 
     async def _on_manifest(self, manifest: WeightManifest) -> None:
         key = manifest.policy_version
+        if self._parked is not None and key == self._parked.policy_version:
+            # The publisher sent the waiting version again (a repair of one it no longer
+            # holds, or a member overdue): finishing the older one is over.
+            await self._abandon_for_parked()
+            return
         newest = self.newest()
         # The dense form of the version being assembled as a delta (the publisher moved us
         # to it) replaces the delta assembly.
@@ -490,6 +520,8 @@ class WeightReceiver:
             self.counters["manifests_rejected"] += 1
             self.counters["seal_rejected"] += 1
             log.warning("%s: cannot open v%d: %s", self.name, manifest.version, exc)
+            return
+        if self._finishes_first(manifest):
             return
         if manifest.delta is not None:
             await self._on_delta_manifest(manifest)
@@ -514,8 +546,41 @@ class WeightReceiver:
             # verify): no stream is coming; repair what is missing.
             await self._request_missing(assembler)
 
+    def _finishes_first(self, manifest: WeightManifest) -> bool:
+        """Whether ``manifest`` (newer, verified) waits for the version being assembled:
+        finishing that one is quicker than starting over and it is still useful (see
+        ``finish_within``). True: it is parked (a newer one parked before is dropped)."""
+        assembler = self._assembler
+        if assembler is None or self._delta_manifest is not None or self.finish_within <= 0:
+            return False
+        key, current = manifest.policy_version, assembler.key
+        if key.incarnation != current.incarnation or key.version - current.version >= self.finish_within:
+            return False
+        if self._parked is None:
+            held = sum(_chunk_sizes(assembler.manifest)[i] for i in assembler.held())
+            if 2 * held < assembler.manifest.total_bytes:
+                return False
+            self.counters["versions_finished"] += 1
+            log.debug("%s: finishing v%d before v%d", self.name, current.version, key.version)
+        self._parked = manifest
+        return True
+
+    async def _abandon_for_parked(self) -> None:
+        """Stop finishing the version being assembled; assemble the parked one."""
+        if self._assembler is not None:
+            self.counters["versions_abandoned"] += 1
+            self._assembler = None
+        await self._start_parked()
+
+    async def _start_parked(self) -> None:
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            await self._on_manifest(parked)
+
     async def _start_assembly(self, assembler: SnapshotAssembler) -> None:
         key = assembler.key
+        if self._parked is not None and self._parked.policy_version <= key:
+            self._parked = None
         self._assembler = assembler
         self._meter.progressed()
         self._apply_plan()
@@ -626,7 +691,8 @@ class WeightReceiver:
                 mine.append(chunk)
                 continue
             newest = self.newest()
-            if (newest is None or key > newest) and sum(map(len, self._early.values())) < self._max_early:
+            parked = self._parked is not None and key == self._parked.policy_version
+            if (newest is None or key > newest or parked) and sum(map(len, self._early.values())) < self._max_early:
                 self._early.setdefault(key, []).append(chunk)  # the manifest is on its way
             else:
                 self.counters["chunks_stale"] += 1
@@ -655,6 +721,7 @@ class WeightReceiver:
             for chunk, outcome in zip(chunks, outcomes, strict=True):
                 if outcome in ("stored", "duplicate"):
                     self._repair_totals.received_bytes += self._pacer.landed(chunk.index, chunk.data.nbytes)
+            self._refill_repairs(assembler)
         if assembler is not self._assembler:
             return  # completed by a parallel verification, or superseded
         self._meter.progressed()
@@ -678,6 +745,8 @@ class WeightReceiver:
         self._prepare_spares(assembler.manifest.total_bytes, spares)
         if self._on_complete is not None:
             self._on_complete(assembler)
+        if self._parked is not None and self._group is not None:
+            self._group.create_task(self._start_parked())
 
     def _on_landed(self, chunk: WeightChunk) -> None:
         """A chunk stream delivered ``chunk`` (event loop thread, from the protocol).
@@ -751,26 +820,38 @@ class WeightReceiver:
 
     # -- outputs ---------------------------------------------------------------------
 
-    def _push(self, address: str) -> ChunkSender:
-        push = self._pushes.get(address)
-        if push is None or push.closed:
+    def _lanes_to(self, address: str) -> Lanes:
+        """The lanes to a successor's inbox, opened on first use (again after a failure,
+        with the stream count learned before)."""
+        lanes = self._lanes.get(address)
+        if lanes is None or lanes.failed or lanes.closed:
+            assert self._group is not None, "the receiver is not running"
             plan, successor = self._plan, self._successor_names.get(address, "")
             credentials = (
                 StreamCredentials(self.name, successor, plan.stream_secret)
                 if plan is not None and plan.stream_secret and successor
                 else None
             )
-            push = chunk_sender(
-                self._transport,
-                f"{self.name}.relay",
-                address,
-                64 << 20,
-                credentials=credentials,
-                connect_timeout_s=self.connect_timeout_s,
-                stall_timeout_s=self.send_timeout_s,
+            count = self._counts.get(address)
+            if count is None:
+                cap = self.max_streams if is_stream_address(address) else 1  # a ZeroMQ PUSH: one lane
+                count = self._counts[address] = StreamCount(cap=cap)
+            lanes = self._lanes[address] = Lanes(
+                lambda: chunk_sender(
+                    self._transport,
+                    f"{self.name}.relay",
+                    address,
+                    64 << 20,
+                    credentials=credentials,
+                    connect_timeout_s=self.connect_timeout_s,
+                    stall_timeout_s=self.send_timeout_s,
+                ),
+                group=self._group,
+                count=count,
+                send_timeout_s=self.send_timeout_s,
+                name=f"{self.name}->{successor or address}",
             )
-            self._pushes[address] = push
-        return push
+        return lanes
 
     async def _forward_loop(self) -> None:
         while True:
@@ -779,22 +860,28 @@ class WeightReceiver:
             if (newest is not None and key < newest) or address in self._dead_successors:
                 continue
             await self._uplink.acquire(chunk.data.nbytes)
-            try:
-                push = self._push(address)
-            except (ClosedError, TransportError):
-                sent = False
-            else:
-                sent = await send_chunk(push, chunk, self.send_timeout_s)
-            if sent:
+            if not await self._lanes_to(address).put(chunk, self._forwarded(address), key):
+                self._successor_failed(address)
+
+    def _forwarded(self, address: str) -> Callable[[Outcome], None]:
+        def done(outcome: Outcome) -> None:
+            if outcome == "sent":
                 self.counters["chunks_forwarded"] += 1
-            else:
-                # The successor is gone or stuck: skip it for this version; it (or the
-                # next in the chain) repairs from the publisher.
-                self.counters["forward_failures"] += 1
-                self._dead_successors.add(address)
-                stale = self._pushes.pop(address, None)
-                if stale is not None:
-                    stale.close()
+            elif outcome == "failed":
+                self._successor_failed(address)
+
+        return done
+
+    def _successor_failed(self, address: str) -> None:
+        """The successor is gone or stuck: skip it for this version; it (or the next in
+        the chain) repairs from the publisher."""
+        if address in self._dead_successors:
+            return
+        self.counters["forward_failures"] += 1
+        self._dead_successors.add(address)
+        stale = self._lanes.pop(address, None)
+        if stale is not None:
+            stale.close()
 
     async def _announce_loop(self) -> None:
         while True:
@@ -825,8 +912,12 @@ class WeightReceiver:
         return self._stream.path_rtt_s() if self._stream is not None else 0.0
 
     def stall_deadline_s(self) -> float:
-        """Seconds without a byte before the version being assembled counts as stalled."""
-        return transfer_deadline_s(0, self._meter.rate_bps, self._rtt_s(), self.gap_timeout_s)
+        """Seconds without a byte before the version being assembled counts as stalled.
+        While it is finished before a newer one, K round trips: its stream has moved on
+        to the newer version, and what it lacks comes by repair."""
+        rtt = self._rtt_s()
+        floor = min(self.gap_timeout_s, K * rtt) if self._parked is not None and rtt > 0 else self.gap_timeout_s
+        return transfer_deadline_s(0, self._meter.rate_bps, rtt, floor)
 
     async def _watchdog_loop(self) -> None:
         period = max(0.01, self.gap_timeout_s / 4)
@@ -847,6 +938,27 @@ class WeightReceiver:
             self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
         if stalled or self._pacer_key == assembler.key:
             await self._request_missing(assembler)  # once repairing: the next window, what expired
+
+    def _refill_repairs(self, assembler: SnapshotAssembler) -> None:
+        """Once half the repair window has landed, ask for the next chunks now rather than
+        at the next watchdog tick: on a long path a tick is several round trips."""
+        pacer = self._pacer
+        if self._refilling or pacer is None or self._pacer_key != assembler.key or self._group is None:
+            return
+        if assembler is not self._assembler or assembler.complete:
+            return
+        if 2 * pacer.outstanding_bytes > self.max_repair_bytes:
+            return
+        self._refilling = True
+
+        async def refill() -> None:
+            try:
+                if assembler is self._assembler:
+                    await self._request_missing(assembler)
+            finally:
+                self._refilling = False
+
+        self._group.create_task(refill())
 
     async def _request_missing(self, assembler: SnapshotAssembler) -> None:
         """Request the missing chunks that are due (``RepairPacer``: not outstanding, within

@@ -118,27 +118,45 @@ def _peer_address(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
-_TCP_INFO = struct.Struct("<8x16I")  # struct tcp_info (linux/tcp.h): 8 bytes, then u32s
-_TCP_INFO_RTO, _TCP_INFO_RTT = 0, 15  # tcpi_rto, tcpi_rtt (microseconds)
+# struct tcp_info (linux/tcp.h) up to tcpi_bytes_retrans: 8 bytes of u8 fields, then u32s
+# (rto at 8, snd_mss 16, rtt 68, snd_cwnd 80, total_retrans 100), u64s from 104
+# (bytes_acked 120), u32 min_rtt at 148, u64 bytes_sent 200 and bytes_retrans 208.
+_TCP_INFO = struct.Struct("<8xI4xI48xI8xI16xI16xQ20xI48xQQ")
 
 
-def _tcp_info(sock: socket.socket | None) -> tuple[float, float]:
-    """(rto, rtt) in seconds as the kernel measures them on ``sock``; (0, 0) where it cannot
-    say (not Linux, not TCP, closed)."""
+@dataclasses.dataclass(frozen=True)
+class TcpInfo:
+    """What the kernel measured on one TCP connection (zeros where it cannot say)."""
+
+    rto_s: float = 0.0
+    rtt_s: float = 0.0
+    min_rtt_s: float = 0.0
+    mss: int = 0
+    cwnd: int = 0
+    """Congestion window, in segments."""
+    bytes_acked: int = 0
+    bytes_sent: int = 0
+    """Data bytes put on the wire, retransmissions included."""
+    bytes_retrans: int = 0
+
+
+def tcp_info(sock: socket.socket | None) -> TcpInfo:
+    """The kernel's view of ``sock`` (Linux); ``TcpInfo()`` where it cannot say (another
+    system, not TCP, closed, or a kernel older than 4.19's tcp_info)."""
     if sock is None or not hasattr(socket, "TCP_INFO"):
-        return 0.0, 0.0
+        return TcpInfo()
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
     except OSError:
-        return 0.0, 0.0
+        return TcpInfo()
     if len(raw) < _TCP_INFO.size:
-        return 0.0, 0.0
-    fields = _TCP_INFO.unpack(raw)
-    return fields[_TCP_INFO_RTO] / 1e6, fields[_TCP_INFO_RTT] / 1e6
+        return TcpInfo()
+    rto, mss, rtt, cwnd, _retrans, acked, min_rtt, sent, retrans = _TCP_INFO.unpack(raw)
+    return TcpInfo(rto / 1e6, rtt / 1e6, min_rtt / 1e6, mss, cwnd, acked, sent, retrans)
 
 
 def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
-    return _tcp_info(transport.get_extra_info("socket"))[1]
+    return tcp_info(transport.get_extra_info("socket")).rtt_s
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -485,8 +503,11 @@ class ChunkStreamSender:
 
     def stall_deadline_s(self) -> float:
         """Seconds without a byte taken before a send fails (see the class docstring)."""
-        rto, _ = _tcp_info(self._sock)
-        return max(self.stall_timeout_s, 3 * rto)
+        return max(self.stall_timeout_s, 3 * tcp_info(self._sock).rto_s)
+
+    def info(self) -> TcpInfo:
+        """The kernel's measurements of this stream (``TcpInfo()`` before it connects)."""
+        return tcp_info(self._sock)
 
     async def send(self, chunk: WeightChunk) -> bool:
         if self.closed:
@@ -586,8 +607,10 @@ __all__ = [
     "ChunkStreamSender",
     "ChunkStreamServer",
     "StreamCredentials",
+    "TcpInfo",
     "is_stream_address",
     "parse_address",
     "stream_mac",
+    "tcp_info",
     "tcp_rtt_s",
 ]

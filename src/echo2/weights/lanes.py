@@ -1,0 +1,376 @@
+"""Lanes: one hop of the weight path over parallel connections to one inbox.
+
+On a long lossy path one TCP stream carries a fraction of the link (see
+``echo2.weights.pacing``: at 200 ms and 1% loss a reno stream carries ~0.6 Mbit/s), so a
+hop sends its chunks over several streams at once: ``Lanes`` keeps up to ``count.n``
+senders (one per lane: a chunk stream, or a ZeroMQ PUSH that stays one lane), each sending
+one chunk at a time, and hands every chunk ``put`` to the next free lane. The receiver
+needs nothing for it: chunks land in place by index whatever connection carried them.
+
+How many lanes: ``StreamCount`` decides after every busy period (from the first chunk put
+while the lanes were idle to one round trip after the last was taken by the kernel; a long
+one in windows of ``SAMPLE_EVERY_S`` or 4 round trips), from
+the bytes acknowledged, sent and retransmitted and the round trips the kernel measured on
+the lanes' connections, and the share of the period the lanes had a chunk to send (a
+period in which they mostly waited for chunks says nothing about the path). A count that changes opens lanes as chunks need them and retires
+the extra ones once idle; the count outlives the lanes (``count`` is passed in: a hop
+re-opened after a failure starts from what was learned).
+
+Each ``put`` gets an outcome through its ``done`` callback: "sent" (the kernel took the
+whole frame), "failed" (the peer is gone) or "discarded" (``discard``: a superseded
+version's chunks that had not left yet). A lane whose send fails (no progress for the
+stall deadline, a reset, a refused connection) closes its connection and its chunk goes
+to another lane; once ``max(1, min(n, 2))`` sends in a row failed with none succeeding the
+peer counts as gone: every chunk still queued fails, and so does every later ``put``.
+Memory: chunks are views (of a snapshot or an assembly buffer), at most ``n`` queued
+beside the ``n`` being sent; ``put`` waits for room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from echo2.errors import ClosedError, TransportError
+from echo2.messages import WeightChunk
+from echo2.weights.pacing import PathSample, StreamCount
+from echo2.weights.plan import ChunkSender
+from echo2.weights.stream import ChunkStreamSender
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["sent", "failed", "discarded"]
+SAMPLE_EVERY_S = 0.5
+"""A busy period longer than this (and 4 round trips) is measured in windows of it."""
+Done = Callable[[Outcome], None]
+
+
+@dataclasses.dataclass
+class _Entry:
+    chunk: WeightChunk
+    done: Done | None
+    tag: object
+
+
+class Lanes:
+    """Parallel senders to one inbox; see the module docstring."""
+
+    def __init__(
+        self,
+        open_sender: Callable[[], ChunkSender],
+        *,
+        group: asyncio.TaskGroup,
+        count: StreamCount,
+        send_timeout_s: float = 5.0,
+        name: str = "",
+    ) -> None:
+        """``open_sender`` opens one lane's sender (it connects lazily); ``group`` holds
+        the lanes' tasks; ``send_timeout_s`` bounds a ZeroMQ send (a chunk stream is
+        judged by its own progress: ``ChunkStreamSender``)."""
+        self._open_sender = open_sender
+        self._group = group
+        self.count = count
+        self.send_timeout_s = send_timeout_s
+        self.name = name
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._idle: collections.deque[asyncio.Future[_Entry | None]] = collections.deque()
+        self._room: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._lanes: dict[int, asyncio.Task[None]] = {}
+        self._senders: dict[int, ChunkSender] = {}
+        self._outstanding = 0  # chunks put and not yet sent, failed or discarded
+        self._failures_in_row = 0
+        self.failed = False
+        self.closed = False
+        self._period_start: tuple[float, dict[int, tuple[int, int, int]]] | None = None
+        self._sending_since: dict[int, float] = {}  # lane -> when its chunk in hand was taken
+        self._busy_s = 0.0  # lane-seconds with a chunk in hand, this period
+        self._period_end: asyncio.TimerHandle | None = None
+        self.counters = dict.fromkeys(("sent", "failed", "discarded", "lane_failures", "lanes_opened"), 0)
+
+    # -- API -------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> int:
+        """Lanes open now."""
+        return len(self._lanes)
+
+    async def put(self, chunk: WeightChunk, done: Done | None = None, tag: object = None) -> bool:
+        """Queue ``chunk`` for the next free lane (waits while ``n`` are queued); False at
+        once (and ``done`` is not called) if the peer is gone or the lanes are closed."""
+        while len(self._queue) >= self.count.n and not (self.failed or self.closed):
+            room = asyncio.get_running_loop().create_future()
+            self._room.append(room)
+            try:
+                await room
+            finally:
+                if not room.done():
+                    room.cancel()
+        if self.failed or self.closed:
+            return False
+        if self._outstanding == 0:
+            self._start_period()
+        self._outstanding += 1
+        self._hand(_Entry(chunk, done, tag))
+        return True
+
+    async def send(self, chunk: WeightChunk) -> bool:
+        """Send one chunk and wait until the kernel took it; False if it failed."""
+        outcome = asyncio.get_running_loop().create_future()
+
+        def done(result: Outcome) -> None:
+            if not outcome.done():
+                outcome.set_result(result)
+
+        if not await self.put(chunk, done):
+            return False
+        return await outcome == "sent"
+
+    def discard(self, keep: Callable[[object], bool]) -> int:
+        """Drop the queued chunks whose tag ``keep`` refuses (those being sent finish);
+        returns how many."""
+        kept: collections.deque[_Entry] = collections.deque()
+        dropped: list[_Entry] = []
+        for entry in self._queue:
+            (kept if keep(entry.tag) else dropped).append(entry)
+        self._queue = kept
+        for entry in dropped:
+            self.counters["discarded"] += 1
+            self._settle(entry, "discarded")
+        self._wake_room()
+        return len(dropped)
+
+    def close(self) -> None:
+        """Close every lane; chunks still queued are discarded."""
+        if self.closed:
+            return
+        self.closed = True
+        self.discard(lambda tag: False)
+        for task in self._lanes.values():
+            task.cancel()
+        self._lanes.clear()
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+        while self._idle:
+            future = self._idle.popleft()
+            if not future.done():
+                future.set_result(None)
+        self._wake_room(everyone=True)
+        if self._period_end is not None:
+            self._period_end.cancel()
+
+    # -- dispatch --------------------------------------------------------------------
+
+    def _settle(self, entry: _Entry, outcome: Outcome) -> None:
+        self._outstanding -= 1
+        if entry.done is not None:
+            entry.done(outcome)
+        if outcome != "sent" or self._period_start is None:
+            return
+        if self._outstanding == 0:
+            self._end_period_soon()
+        elif time.monotonic() - self._period_start[0] >= self._sample_every_s():
+            self._measure()  # a long busy period is measured in windows, each its own sample
+            self._start_period()
+
+    def _hand(self, entry: _Entry, *, first: bool = False) -> None:
+        """To an idle lane, else the queue (opening a lane if fewer than ``n`` are open)."""
+        while self._idle:
+            future = self._idle.popleft()
+            if not future.done():
+                future.set_result(entry)
+                return
+        if first:
+            self._queue.appendleft(entry)
+        else:
+            self._queue.append(entry)
+        if len(self._lanes) < self.count.n:
+            self._open_lane()
+
+    def _open_lane(self) -> None:
+        index = next(i for i in range(len(self._lanes) + 1) if i not in self._lanes)
+        self.counters["lanes_opened"] += 1
+        self._lanes[index] = self._group.create_task(self._lane(index), name=f"{self.name}-lane{index}")
+
+    async def _next(self, index: int) -> _Entry | None:
+        if index >= self.count.n:
+            return None  # the count went down: this lane retires
+        if self._queue:
+            entry = self._queue.popleft()
+            self._wake_room()
+            return entry
+        future: asyncio.Future[_Entry | None] = asyncio.get_running_loop().create_future()
+        self._idle.append(future)
+        try:
+            return await future
+        finally:
+            if not future.done():
+                future.cancel()
+
+    def _wake_room(self, *, everyone: bool = False) -> None:
+        while self._room and (everyone or len(self._queue) < self.count.n):
+            room = self._room.popleft()
+            if not room.done():
+                room.set_result(None)
+                if not everyone:
+                    return
+
+    # -- one lane --------------------------------------------------------------------
+
+    async def _lane(self, index: int) -> None:
+        try:
+            while not self.closed:
+                entry = await self._next(index)
+                if entry is None:
+                    return
+                self._sending_since[index] = time.monotonic()
+                try:
+                    ok = await self._send(index, entry.chunk)
+                except asyncio.CancelledError:
+                    self._settle(entry, "discarded")  # closed while sending
+                    raise
+                finally:
+                    self._count_busy(self._sending_since.pop(index))
+                if ok:
+                    self._failures_in_row = 0
+                    self.counters["sent"] += 1
+                    self._settle(entry, "sent")
+                else:
+                    self._lane_failed(index, entry)
+                    if self.failed:
+                        return
+        finally:
+            if self._lanes.get(index) is asyncio.current_task():
+                del self._lanes[index]
+            sender = self._senders.pop(index, None)
+            if sender is not None:
+                sender.close()
+
+    async def _send(self, index: int, chunk: WeightChunk) -> bool:
+        sender = self._senders.get(index)
+        try:
+            if sender is None or sender.closed:
+                sender = self._senders[index] = self._open_sender()
+            if isinstance(sender, ChunkStreamSender):
+                return await sender.send(chunk)  # judged by its progress
+            async with asyncio.timeout(self.send_timeout_s):
+                return await sender.send(chunk)
+        except (TimeoutError, ClosedError, TransportError):
+            return False
+
+    def _lane_failed(self, index: int, entry: _Entry) -> None:
+        self.counters["lane_failures"] += 1
+        self._failures_in_row += 1
+        sender = self._senders.pop(index, None)
+        if sender is not None:
+            sender.close()
+        if self._failures_in_row < max(1, min(self.count.n, 2)):
+            self._hand(entry, first=True)  # another lane tries it; this one reconnects
+            return
+        self.failed = True
+        log.debug("%s: peer gone after %d failed sends", self.name, self._failures_in_row)
+        pending, self._queue = [entry, *self._queue], collections.deque()
+        for lost in pending:
+            self.counters["failed"] += 1
+            self._settle(lost, "failed")
+        for future in self._idle:
+            if not future.done():
+                future.set_result(None)
+        self._idle.clear()
+        self._wake_room(everyone=True)
+
+    # -- measurement -----------------------------------------------------------------
+
+    def _totals(self) -> dict[int, tuple[int, int, int]]:
+        totals = {}
+        for index, sender in self._senders.items():
+            if isinstance(sender, ChunkStreamSender):
+                info = sender.info()
+                totals[index] = (info.bytes_acked, info.bytes_sent, info.bytes_retrans)
+        return totals
+
+    def _sample_every_s(self) -> float:
+        """How long a busy period runs before it is measured: enough round trips for
+        the kernel's counters to move (a second at least)."""
+        rtts = [s.info().rtt_s for s in self._senders.values() if isinstance(s, ChunkStreamSender)]
+        return max(SAMPLE_EVERY_S, 4 * max(rtts, default=0.0))
+
+    def _count_busy(self, since_s: float) -> None:
+        if self._period_start is not None:
+            self._busy_s += time.monotonic() - max(since_s, self._period_start[0])
+
+    def _start_period(self) -> None:
+        if self._period_end is not None:  # a new burst within the last one's round trip
+            self._period_end.cancel()
+            self._period_end = None
+            self._measure()
+        self._period_start = (time.monotonic(), self._totals())
+        self._busy_s = 0.0
+
+    def _end_period_soon(self) -> None:
+        """Measure one round trip after the lanes went idle: the last bytes sent are
+        acknowledged by then."""
+        rtts = [s.info().rtt_s for s in self._senders.values() if isinstance(s, ChunkStreamSender)]
+        if self._period_start is None or not rtts:
+            return
+        loop = asyncio.get_running_loop()
+        self._period_end = loop.call_later(max(rtts), self._measure)
+
+    def _measure(self) -> None:
+        self._period_end = None
+        start = self._period_start
+        self._period_start = None
+        if start is None or self.closed:
+            return
+        started_s, before = start
+        now = time.monotonic()
+        busy_s = self._busy_s + sum(now - max(since, started_s) for since in self._sending_since.values())
+        infos = {i: s.info() for i, s in self._senders.items() if isinstance(s, ChunkStreamSender)}
+        if not infos:
+            return
+        acked = sent = retrans = 0
+        for index, info in infos.items():
+            a0, s0, r0 = before.get(index, (0, 0, 0))
+            if info.bytes_sent < s0:  # a lane reconnected during the period: a new socket
+                a0 = s0 = r0 = 0
+            acked, sent, retrans = (
+                acked + info.bytes_acked - a0,
+                sent + info.bytes_sent - s0,
+                retrans + info.bytes_retrans - r0,
+            )
+        measured = [i for i in infos.values() if i.rtt_s > 0]
+        sample = PathSample(
+            streams=len(infos),
+            seconds=now - started_s,
+            acked_bytes=acked,
+            sent_bytes=sent,
+            retrans_bytes=retrans,
+            rtt_s=sum(i.rtt_s for i in measured) / len(measured) if measured else 0.0,
+            min_rtt_s=min((i.min_rtt_s for i in measured if i.min_rtt_s > 0), default=0.0),
+            mss=max((i.mss for i in measured), default=1448),
+            utilization=busy_s / ((now - started_s) * len(infos)) if now > started_s else 0.0,
+        )
+        before_n = self.count.n
+        after_n = self.count.observe(sample)
+        if after_n != before_n:
+            log.info(
+                "%s: %d -> %d streams (%.1f Mbit/s over %d, rtt %.0f ms, loss %.2f%%)",
+                self.name, before_n, after_n, sample.goodput_bps * 8e-6, sample.streams,
+                sample.rtt_s * 1e3, sample.loss * 100,
+            )  # fmt: skip
+        # Lanes past the count retire: idle ones now, busy ones when they ask for the next
+        # chunk (``_next``).
+        for _ in range(len(self._lanes) - after_n):
+            while self._idle and self._idle[0].done():
+                self._idle.popleft()
+            if not self._idle:
+                break
+            self._idle.popleft().set_result(None)
+
+
+__all__ = ["Done", "Lanes", "Outcome"]
