@@ -310,10 +310,12 @@ class WeightBroadcaster:
         return snapshot, make_manifest(snapshot, chunk_bytes)
 
     def chunk_bytes_for(self, total_bytes: int) -> int:
-        """The chunk size of a version of ``total_bytes``: a few chunks per parallel stream
-        of the member reached over the most (``echo2.weights.pacing.chunk_bytes_for``)."""
+        """The chunk size of a version of ``total_bytes`` (``echo2.weights.pacing
+        .chunk_bytes_for``): a few chunks per parallel stream of the member reached over
+        the most, none longer than half a second on the slowest member's streams."""
         streams = max((count.n for count in list(self._counts.values())), default=1)
-        return chunk_bytes_for(total_bytes, streams, self.chunk_bytes)
+        rates = [rate for lanes in list(self._lanes.values()) if (rate := lanes.per_stream_bps()) is not None]
+        return chunk_bytes_for(total_bytes, streams, self.chunk_bytes, per_stream_bps=min(rates, default=None))
 
     def prepare_delta(self, snapshot: Snapshot, manifest: WeightManifest) -> DeltaForm | None:
         """The delta form of ``snapshot`` (in the clear; ``manifest`` its prepared one)
@@ -456,6 +458,10 @@ class WeightBroadcaster:
         if member is None or restarted:
             member = _Member(peer, message.relay_address, now)
             self._members[message.sampler_id] = member
+            if is_stream_address(member.address) and not self.sealed and self._group is not None:
+                # Connect now: the path's round trip is known when the next version is cut.
+                # (A sealed inbox admits a stream only once the member holds a plan.)
+                self._lanes_to(message.sampler_id, member.address, b"").warm()
         member.last_seen_s = now
         member.shm_id = message.shm_id
         member.installed = max(member.installed, message.installed)

@@ -38,7 +38,7 @@ from typing import Literal
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import WeightChunk
-from echo2.weights.pacing import PathSample, StreamCount
+from echo2.weights.pacing import INITIAL_WINDOW, PathSample, StreamCount
 from echo2.weights.plan import ChunkSender
 from echo2.weights.stream import ChunkStreamSender
 
@@ -98,6 +98,30 @@ class Lanes:
     def streams(self) -> int:
         """Lanes open now."""
         return len(self._lanes)
+
+    def warm(self) -> None:
+        """Open the first lane's connection now, before any chunk (a no-op once a lane is
+        open): the path's round trip is then known when the next version is cut."""
+        if not self._lanes and not (self.failed or self.closed):
+            self._open_lane(connect_first=True)
+
+    def rtt_s(self) -> float:
+        """The longest smoothed round trip of the lanes' connections (0: none measured)."""
+        return max(
+            (s.info().rtt_s for s in list(self._senders.values()) if isinstance(s, ChunkStreamSender)), default=0.0
+        )
+
+    def per_stream_bps(self) -> float | None:
+        """What one lane carries, bytes/s: as last measured, else what a fresh TCP stream
+        sends in a round trip of this path (its initial window); None: nothing known.
+        Safe to call from another thread (the publisher cuts versions in one)."""
+        measured = self.count.per_stream_bps()
+        if measured is not None:
+            return measured
+        infos = [s.info() for s in list(self._senders.values()) if isinstance(s, ChunkStreamSender)]
+        rtt = max((i.rtt_s for i in infos), default=0.0)
+        mss = max((i.mss for i in infos), default=0)
+        return INITIAL_WINDOW * mss / rtt if rtt > 0 and mss > 0 else None
 
     async def put(self, chunk: WeightChunk, done: Done | None = None, tag: object = None) -> bool:
         """Queue ``chunk`` for the next free lane (waits while ``n`` are queued); False at
@@ -192,10 +216,11 @@ class Lanes:
         if len(self._lanes) < self.count.n:
             self._open_lane()
 
-    def _open_lane(self) -> None:
+    def _open_lane(self, *, connect_first: bool = False) -> None:
         index = next(i for i in range(len(self._lanes) + 1) if i not in self._lanes)
         self.counters["lanes_opened"] += 1
-        self._lanes[index] = self._group.create_task(self._lane(index), name=f"{self.name}-lane{index}")
+        lane = self._lane(index, connect_first=connect_first)
+        self._lanes[index] = self._group.create_task(lane, name=f"{self.name}-lane{index}")
 
     async def _next(self, index: int) -> _Entry | None:
         if index >= self.count.n:
@@ -222,8 +247,15 @@ class Lanes:
 
     # -- one lane --------------------------------------------------------------------
 
-    async def _lane(self, index: int) -> None:
+    async def _lane(self, index: int, *, connect_first: bool = False) -> None:
         try:
+            if connect_first:
+                first = self._senders[index] = self._open_sender()
+                if isinstance(first, ChunkStreamSender):
+                    try:
+                        await first.connect()
+                    except (TimeoutError, ClosedError, TransportError):
+                        self._senders.pop(index).close()  # the first chunk tries again
             while not self.closed:
                 entry = await self._next(index)
                 if entry is None:
@@ -247,9 +279,9 @@ class Lanes:
         finally:
             if self._lanes.get(index) is asyncio.current_task():
                 del self._lanes[index]
-            sender = self._senders.pop(index, None)
-            if sender is not None:
-                sender.close()
+            left = self._senders.pop(index, None)
+            if left is not None:
+                left.close()
 
     async def _send(self, index: int, chunk: WeightChunk) -> bool:
         sender = self._senders.get(index)

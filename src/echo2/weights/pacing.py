@@ -288,14 +288,15 @@ class StreamCount:
     * a period shorter than two round trips (or ``min_period_s``), with fewer than
       ``min_segments`` segments sent per stream, or in which the streams had nothing to
       send a quarter of the time, says too little: unchanged;
-    * after an increase that bought less than a quarter of its proportional gain
-      (goodput x1.25 for a doubling), back to the count before it, and no growth for the
-      next ``hold`` periods: the link or the receiver is the limit, not the streams;
     * a standing queue (RTT above the path's minimum by a fifth, and 5 ms) means the link
       is full: a quarter fewer streams (never below ``floor``);
-    * retransmissions without a standing queue, every stream allowed in use, mean each
-      stream is held back by loss: twice as many (four times while fewer than 16 and each
-      within twice its Mathis share), up to ``cap``;
+    * streams each within twice their Mathis share (``PathSample.mathis_bps``) are held
+      back by loss, each on its own: more of them carry more. Others (bbr, or a path
+      whose loss is not what limits it) share some other limit: after an increase that
+      bought less than a quarter of its proportional gain (x1.25 for a doubling), back to
+      the count before it, and no growth for the next ``hold`` periods;
+    * retransmissions without a standing queue, every stream allowed in use: twice as
+      many streams (four times while fewer than 16 and loss-bound), up to ``cap``;
     * else unchanged.
     """
 
@@ -330,7 +331,8 @@ class StreamCount:
         self.last = sample
         before, self._before = self._before, None
         held, self._held = self._held > 0, max(0, self._held - 1)
-        if before is not None and sample.streams > before.streams:
+        loss_bound = sample.loss > 0 and sample.goodput_bps / sample.streams <= 2 * sample.mathis_bps()
+        if before is not None and sample.streams > before.streams and not loss_bound:
             wanted = 1 + 0.25 * (sample.streams / before.streams - 1)
             if sample.goodput_bps < before.goodput_bps * wanted:
                 self.n, self._held = max(self.floor, before.streams), self.hold
@@ -338,26 +340,44 @@ class StreamCount:
         if sample.queueing_s > max(0.005, 0.2 * sample.min_rtt_s):
             self.n = max(self.floor, sample.streams - max(1, sample.streams // 4))
         elif sample.loss > 0 and not held and self.n <= sample.streams < self.cap:
-            per_stream = sample.goodput_bps / sample.streams
-            factor = 4 if sample.streams < 16 and per_stream < 2 * sample.mathis_bps() else 2
+            factor = 4 if loss_bound and sample.streams < 16 else 2
             self.n, self._before = min(self.cap, sample.streams * factor), sample
         return self.n
 
+    def per_stream_bps(self) -> float | None:
+        """What one stream carried in the last period measured (None: none yet)."""
+        last = self.last
+        return last.goodput_bps / last.streams if last is not None else None
 
-def chunk_bytes_for(total_bytes: int, streams: int, max_chunk_bytes: int, *, per_stream: int = 2) -> int:
+
+CHUNK_SECONDS = 0.5
+"""A chunk should take one stream no longer than this: a chunk is the unit that is lost
+with a superseded version, repaired, and forwarded down a chain only once complete."""
+INITIAL_WINDOW = 10
+"""Segments a fresh TCP stream sends in its first round trip (Linux's initial window)."""
+
+
+def chunk_bytes_for(
+    total_bytes: int, streams: int, max_chunk_bytes: int, *, per_stream_bps: float | None = None, per_stream: int = 2
+) -> int:
     """The chunk size for a version of ``total_bytes`` sent over ``streams`` parallel
-    streams: about ``per_stream`` chunks per stream (one being sent while the next waits),
-    at most ``max_chunk_bytes``, at least ``MIN_CHUNK_BYTES`` and total / ``MAX_CHUNKS``;
-    a multiple of 4 KiB. One stream keeps ``max_chunk_bytes``, the size tuned for clean
-    paths, on any version of more than ``per_stream`` of them."""
+    streams each carrying ``per_stream_bps`` (None: unknown): about ``per_stream`` chunks
+    per stream (one being sent while the next waits), none taking a stream longer than
+    ``CHUNK_SECONDS``; at most ``max_chunk_bytes``, at least ``MIN_CHUNK_BYTES`` and
+    total / ``MAX_CHUNKS``; a multiple of 4 KiB. On a clean fast path (one stream, tens of
+    MB/s) that is ``max_chunk_bytes``, the size tuned for it."""
     wanted = total_bytes // max(1, streams * per_stream)
+    if per_stream_bps is not None and per_stream_bps > 0:
+        wanted = min(wanted, int(per_stream_bps * CHUNK_SECONDS))
     floor = max(MIN_CHUNK_BYTES, -(-total_bytes // MAX_CHUNKS))
     size = min(max_chunk_bytes, max(floor, wanted))
     return max(4096, size // 4096 * 4096) if size >= 4096 else size
 
 
 __all__ = [
+    "CHUNK_SECONDS",
     "DEFAULT_MAX_OUTSTANDING_BYTES",
+    "INITIAL_WINDOW",
     "MAX_CHUNKS",
     "MIN_CHUNK_BYTES",
     "K",

@@ -505,6 +505,16 @@ class ChunkStreamSender:
         """Seconds without a byte taken before a send fails (see the class docstring)."""
         return max(self.stall_timeout_s, 3 * tcp_info(self._sock).rto_s)
 
+    async def connect(self) -> None:
+        """Open the connection now rather than at the first send (the kernel then knows the
+        path's round trip before any chunk is cut for it)."""
+        async with self._lock:
+            if self._sock is None and not self.closed:
+                try:
+                    await self._connect(asyncio.get_running_loop())
+                except OSError as exc:
+                    raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
+
     def info(self) -> TcpInfo:
         """The kernel's measurements of this stream (``TcpInfo()`` before it connects)."""
         return tcp_info(self._sock)
