@@ -135,6 +135,9 @@ class Bed:
             mac = "02:77:00:00:00:%02x" % (index + 1)
             self.hosts[name] = HostNet(name, f"{prefix}-{name}", address, mac, f"p-{index}", shape)
         self._relay: subprocess.Popen[str] | None = None
+        self.relay_cpu: dict[str, Any] = {}
+        """The relay's ``cpu_s`` (CPU seconds since it started) and ``realtime`` (SCHED_RR),
+        as of the last ``relay_counters``."""
         self._processes: list[subprocess.Popen[Any]] = []
         self._closed = True
 
@@ -281,8 +284,10 @@ class Bed:
             raise RuntimeError(f"relay: {reply.strip()}")
 
     def relay_counters(self) -> dict[str, dict[str, int]]:
-        """Per host link: frames and bytes into and out of the switch, and drops by cause."""
-        counters: dict[str, dict[str, int]] = json.loads(self._relay_command("stats"))
+        """Per host link: frames and bytes into and out of the switch, and drops by cause.
+        The relay's own CPU seconds so far and whether it runs real-time go to ``relay_cpu``."""
+        counters: dict[str, dict[str, Any]] = json.loads(self._relay_command("stats"))
+        self.relay_cpu = counters.pop("relay", {})
         return counters
 
     def stop_relay(self) -> dict[str, dict[str, int]] | None:
@@ -297,7 +302,8 @@ class Bed:
             return None
         for line in out.splitlines():
             if line.startswith('{"final"'):
-                final: dict[str, dict[str, int]] = json.loads(line)["final"]
+                final: dict[str, dict[str, Any]] = json.loads(line)["final"]
+                self.relay_cpu = final.pop("relay", {})
                 return final
         return None
 

@@ -31,6 +31,9 @@ PROTOCOL_VERSION = 1
 # -- protocol constants ------------------------------------------------------------------
 
 TELEMETRY_CHANNEL = "telemetry"
+WEIGHTS_CHANNEL = "weights"
+"""The channel weight receivers (DEALER) and the weight publisher (ROUTER) meet on; its
+members also reach each other's chunk-stream listeners (``PortAddresses.stream_bind``)."""
 """The channel every process publishes heartbeats on (PUB -> the SUB that binds it)."""
 HEARTBEAT_TOPIC = b"hb|"
 """Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
@@ -798,6 +801,12 @@ class WeightsInstalled(Message, _Versioned, frozen=True):
     version: int
     install_s: float
     time_s: float
+    received_s: float = 0.0
+    """Seconds from the version's manifest reaching the sampler to every chunk held and
+    verified: its transfer, chain and repair included (0: not measured)."""
+    complete_time_s: float = 0.0
+    """Unix time the version was complete and verified there, before it waited for the
+    sampler's generation batch to end (0: not measured)."""
 
 
 class WeightSubscribe(Message, frozen=True):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +19,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from echo2.errors import ClosedError, TransportError
 from echo2.messages import (
     NO_VERSION,
     ChunkRequest,
     PolicyVersion,
+    RelayChain,
     RelayPlan,
     Snapshot,
     WeightChunk,
@@ -40,6 +44,7 @@ from echo2.weights.chunks import (
     prefaulted_buffer,
 )
 from echo2.weights.delta import DeltaStats, delta_manifest, encode, payload_manifest
+from echo2.weights.dial import DialListener, admits, dial_address, dial_more_frame, is_dial_address
 from echo2.weights.lanes import Lanes, Outcome
 from echo2.weights.link import LinkSpec
 from echo2.weights.pacing import OutstandingRepairs, StreamCount, chunk_bytes_for
@@ -53,7 +58,7 @@ from echo2.weights.plan import (
 )
 from echo2.weights.seal import seal_version
 from echo2.weights.shm import shm_identity, write_snapshot
-from echo2.weights.stream import StreamCredentials, is_stream_address
+from echo2.weights.stream import ChunkStreamSender, StreamCredentials, is_stream_address, listen
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +213,13 @@ class WeightBroadcaster:
         delta_anchor_every: int = 0,
         delta_threads: int = 2,
         max_streams: int = MAX_STREAMS,
+        dial_in: str = "",
     ) -> None:
         """``chunk_bytes``: the largest chunk; a version is cut smaller when its members
         are reached over several parallel streams (``echo2.weights.pacing.chunk_bytes_for``),
         at most ``max_streams`` per member, their number adapted to each path
-        (``echo2.weights.lanes``: 1 on a clean path).
+        (``echo2.weights.lanes``: 1 on a clean path). ``dial_in``: a tcp URL to listen on
+        for members that accept no inbound connection (``echo2.weights.dial``; "": none).
 
         ``shm_dir``: where versions for members sharing this host are written (None:
         never; every member then gets chunks). ``sealed`` (``[security]``): every version
@@ -259,6 +266,13 @@ class WeightBroadcaster:
         self._lanes: dict[str, Lanes] = {}  # member address -> its lanes
         self._counts: dict[str, StreamCount] = {}  # member address -> its stream count (outlives lanes)
         self._group: asyncio.TaskGroup | None = None
+        self.dial_in = dial_in
+        self._previous_secret = b""  # the plan's before the latest: dialers may prove either
+        self._dial_asked: dict[str, int] = {}  # dial address -> connections last asked for
+        self.dial_listener = DialListener(
+            admits(lambda: [self._stream_secret, self._previous_secret], lambda: set(self._members), name),
+            self._on_dialed,
+        )
         self._retained: collections.OrderedDict[PolicyVersion, _Version] = collections.OrderedDict()
         # Who holds each sampler name on the control channel; a contested name is retried
         # by the subscription lease itself, so the retry hint is unused here.
@@ -410,6 +424,8 @@ class WeightBroadcaster:
     async def run(self) -> None:
         async with asyncio.TaskGroup() as group:
             self._group = group
+            if self.dial_in:
+                group.create_task(self.dial_listener.serve(listen(self.dial_in), group))
             group.create_task(self._control_loop())
             group.create_task(self._repair_loop())
             group.create_task(self._stream_driver(group))
@@ -632,7 +648,10 @@ class WeightBroadcaster:
                 version.bcast.delta_members = len(holders)
                 self.counters["delta_versions"] += 1
                 self.counters["delta_dense_members"] += len(dense_only)
-        stripes, chains = relay_plan(remote, self.mode, self.stripes)
+        # Members that dial in are fed by the publisher alone: nobody can reach them.
+        dialers = [n for n in remote if is_dial_address(self._members[n].address)]
+        stripes, chains = relay_plan([n for n in remote if n not in dialers], self.mode, self.stripes)
+        chains += [RelayChain(stripe, [d]) for d in dialers for stripe in range(stripes)]
         addresses = {n: self._members[n].address for n in remote}
         plan = RelayPlan(
             incarnation=version.key.incarnation,
@@ -643,7 +662,7 @@ class WeightBroadcaster:
             publisher=self.name,
             stream_secret=os.urandom(32) if self.sealed else b"",
         )
-        self._stream_secret = plan.stream_secret
+        self._previous_secret, self._stream_secret = self._stream_secret, plan.stream_secret
         self._latest_plan = plan
         for name in remote:
             member = self._members[name]
@@ -751,11 +770,15 @@ class WeightBroadcaster:
             assert self._group is not None, "the broadcaster is not running"
             count = self._counts.get(address)
             if count is None:
-                cap = self.max_streams if is_stream_address(address) else 1  # a ZeroMQ PUSH: one lane
+                streams = is_stream_address(address) or is_dial_address(address)
+                cap = self.max_streams if streams else 1  # a ZeroMQ PUSH: one lane
                 count = self._counts[address] = StreamCount(cap=cap)
             credentials = StreamCredentials(self.name, member, secret) if secret else None
+            self._dial_asked.pop(address, None)
             lanes = self._lanes[address] = Lanes(
-                lambda: chunk_sender(
+                None
+                if is_dial_address(address)
+                else lambda: chunk_sender(
                     self._transport,
                     f"{self.name}.seed",
                     address,
@@ -777,7 +800,30 @@ class WeightBroadcaster:
         """Pace ``chunk`` through the uplink and put it on ``member``'s lanes; False when
         the member's inbox is gone (``done`` is then not called)."""
         await self._uplink.acquire(chunk.data.nbytes)
-        return await self._lanes_to(member, address, secret).put(chunk, done, tag)
+        lanes = self._lanes_to(member, address, secret)
+        self._ask_to_dial(lanes, address)
+        return await lanes.put(chunk, done, tag)
+
+    def _on_dialed(self, member: str, sock: socket.socket) -> None:
+        """A member that accepts no inbound connection dialed in: its chunks go down it."""
+        address = dial_address(member)
+        sender = ChunkStreamSender.adopted(sock, address, stall_timeout_s=self.send_timeout_s)
+        self._lanes_to(member, address, self._stream_secret).adopt(sender)
+
+    def _ask_to_dial(self, lanes: Lanes, address: str) -> None:
+        """Dialed lanes whose stream count grew past the connections dialed: ask for more
+        (once per new count), down one of those connections."""
+        wanted = lanes.dial_wanted()
+        sender = lanes.any_sender()
+        if not wanted or self._dial_asked.get(address) == wanted or sender is None or self._group is None:
+            return
+        self._dial_asked[address] = wanted
+
+        async def ask() -> None:
+            with contextlib.suppress(ClosedError, TransportError, TimeoutError):
+                await sender.send_frame(dial_more_frame(wanted))
+
+        self._group.create_task(ask())
 
     # -- repair ----------------------------------------------------------------------
 
@@ -838,7 +884,8 @@ class WeightBroadcaster:
                 await self._send(peer, latest.manifest)  # gone from here: move on to the latest
             return
         member = self._members.get(request.sampler_id)
-        stream = member.address if member is not None and is_stream_address(member.address) else ""
+        reached = member is not None and (is_stream_address(member.address) or is_dial_address(member.address))
+        stream = member.address if member is not None and reached else ""
         data, manifest = version.form(request.sampler_id)
         n = len(manifest.chunk_digests)
         size = manifest.chunk_bytes

@@ -24,6 +24,12 @@ to another lane; once ``max(1, min(n, 2))`` sends in a row failed with none succ
 peer counts as gone: every chunk still queued fails, and so does every later ``put``.
 Memory: chunks are views (of a snapshot or an assembly buffer), at most ``n`` queued
 beside the ``n`` being sent; ``put`` waits for room.
+
+Dialed lanes (``open_sender=None``; ``echo2.weights.dial``): the connections are the
+peer's, handed over with ``adopt``; a lane runs on each, never more than ``n``, and a lane
+whose connection fails ends with it (its chunk goes to another). With none left the peer
+is gone. ``dial_wanted`` says when to ask the peer for more (``count.n`` above what it
+dialed).
 """
 
 from __future__ import annotations
@@ -62,21 +68,23 @@ class Lanes:
 
     def __init__(
         self,
-        open_sender: Callable[[], ChunkSender],
+        open_sender: Callable[[], ChunkSender] | None,
         *,
         group: asyncio.TaskGroup,
         count: StreamCount,
         send_timeout_s: float = 5.0,
         name: str = "",
     ) -> None:
-        """``open_sender`` opens one lane's sender (it connects lazily); ``group`` holds
-        the lanes' tasks; ``send_timeout_s`` bounds a ZeroMQ send (a chunk stream is
-        judged by its own progress: ``ChunkStreamSender``)."""
+        """``open_sender`` opens one lane's sender (it connects lazily; None: lanes run on
+        connections the peer dialed, ``adopt``); ``group`` holds the lanes' tasks;
+        ``send_timeout_s`` bounds a ZeroMQ send (a chunk stream is judged by its own
+        progress: ``ChunkStreamSender``)."""
         self._open_sender = open_sender
         self._group = group
         self.count = count
         self.send_timeout_s = send_timeout_s
         self.name = name
+        self._spare: collections.deque[ChunkStreamSender] = collections.deque()  # dialed, no lane yet
         self._queue: collections.deque[_Entry] = collections.deque()
         self._idle: collections.deque[asyncio.Future[_Entry | None]] = collections.deque()
         self._room: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -99,10 +107,42 @@ class Lanes:
         """Lanes open now."""
         return len(self._lanes)
 
+    @property
+    def dialed(self) -> bool:
+        """The peer dials these lanes' connections (``adopt``)."""
+        return self._open_sender is None
+
+    @property
+    def connections(self) -> int:
+        """Dialed lanes: connections open (with a lane or spare)."""
+        alive = sum(1 for s in self._senders.values() if not s.closed)
+        return alive + sum(1 for s in self._spare if not s.closed)
+
+    def dial_wanted(self) -> int:
+        """Dialed lanes: how many connections to ask the peer for (0: enough)."""
+        return self.count.n if self.dialed and self.connections < self.count.n else 0
+
+    def adopt(self, sender: ChunkStreamSender) -> None:
+        """Dialed lanes: a connection the peer opened; a lane takes it when chunks need it."""
+        if self.failed or self.closed:
+            sender.close()
+            return
+        self._spare.append(sender)
+        if self._queue and len(self._lanes) < self.count.n:
+            self._open_lane()
+
+    def any_sender(self) -> ChunkStreamSender | None:
+        """An open connection of dialed lanes (to ask the peer for more on)."""
+        for sender in [*self._spare, *self._senders.values()]:
+            if isinstance(sender, ChunkStreamSender) and not sender.closed:
+                return sender
+        return None
+
     def warm(self) -> None:
         """Open the first lane's connection now, before any chunk (a no-op once a lane is
-        open): the path's round trip is then known when the next version is cut."""
-        if not self._lanes and not (self.failed or self.closed):
+        open, or for dialed lanes): the path's round trip is then known when the next
+        version is cut."""
+        if not self._lanes and not (self.failed or self.closed or self.dialed):
             self._open_lane(connect_first=True)
 
     def rtt_s(self) -> float:
@@ -184,6 +224,8 @@ class Lanes:
             future = self._idle.popleft()
             if not future.done():
                 future.set_result(None)
+        while self._spare:
+            self._spare.popleft().close()
         self._wake_room(everyone=True)
         if self._period_end is not None:
             self._period_end.cancel()
@@ -213,7 +255,7 @@ class Lanes:
             self._queue.appendleft(entry)
         else:
             self._queue.append(entry)
-        if len(self._lanes) < self.count.n:
+        if len(self._lanes) < self.count.n and (not self.dialed or self._spare):
             self._open_lane()
 
     def _open_lane(self, *, connect_first: bool = False) -> None:
@@ -249,7 +291,7 @@ class Lanes:
 
     async def _lane(self, index: int, *, connect_first: bool = False) -> None:
         try:
-            if connect_first:
+            if connect_first and self._open_sender is not None:
                 first = self._senders[index] = self._open_sender()
                 if isinstance(first, ChunkStreamSender):
                     try:
@@ -274,7 +316,7 @@ class Lanes:
                     self._settle(entry, "sent")
                 else:
                     self._lane_failed(index, entry)
-                    if self.failed:
+                    if self.failed or index not in self._lanes:
                         return
         finally:
             if self._lanes.get(index) is asyncio.current_task():
@@ -283,11 +325,20 @@ class Lanes:
             if left is not None:
                 left.close()
 
+    def _next_sender(self) -> ChunkSender:
+        if self._open_sender is not None:
+            return self._open_sender()
+        while self._spare:
+            sender = self._spare.popleft()
+            if not sender.closed:
+                return sender
+        raise ClosedError(f"{self.name}: no dialed connection left")
+
     async def _send(self, index: int, chunk: WeightChunk) -> bool:
         sender = self._senders.get(index)
         try:
             if sender is None or sender.closed:
-                sender = self._senders[index] = self._open_sender()
+                sender = self._senders[index] = self._next_sender()
             if isinstance(sender, ChunkStreamSender):
                 return await sender.send(chunk)  # judged by its progress
             async with asyncio.timeout(self.send_timeout_s):
@@ -301,7 +352,12 @@ class Lanes:
         sender = self._senders.pop(index, None)
         if sender is not None:
             sender.close()
-        if self._failures_in_row < max(1, min(self.count.n, 2)):
+        if self.dialed:
+            if self.connections > 0:  # the chunk goes to another connection; this lane ends
+                self._lanes.pop(index, None)
+                self._hand(entry, first=True)
+                return
+        elif self._failures_in_row < max(1, min(self.count.n, 2)):
             self._hand(entry, first=True)  # another lane tries it; this one reconnects
             return
         self.failed = True

@@ -33,6 +33,7 @@ from echo2.transport.endpoint import (
     PullEndpoint,
     SocketOptions,
 )
+from echo2.transport.urls import url_host, url_host_of
 from echo2.weights.chunks import (
     DEFAULT_CHUNK_BYTES,
     ManifestRejected,
@@ -40,6 +41,7 @@ from echo2.weights.chunks import (
     prefaulted_buffer,
 )
 from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
+from echo2.weights.dial import Dialer, dial_address
 from echo2.weights.lanes import Lanes, Outcome
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
@@ -68,6 +70,7 @@ from echo2.weights.stream import (
     ChunkStreamServer,
     StreamCredentials,
     is_stream_address,
+    listen,
     stream_mac,
 )
 
@@ -140,6 +143,9 @@ class WeightReceiver:
         sealed: bool = False,
         finish_within: int = 0,
         max_streams: int = 128,
+        relay_bind: str = "",
+        relay_announce: str = "",
+        dial: str = "",
     ) -> None:
         """``finish_within`` (versions; the job's staleness ``S``): a newer version that
         arrives while this one is half held or more waits until this one is complete and
@@ -147,6 +153,13 @@ class WeightReceiver:
         (rollouts made with it are then still admissible); 0: the newer one always takes
         over at once. ``max_streams``: parallel chunk streams to each successor, at most
         (``echo2.weights.lanes``).
+
+        Where the inbox is (``PortAddresses`` from the topology): ``relay_bind`` the tcp URL
+        it listens on (a fixed port of the host's range; "": an ephemeral port), announced
+        as ``relay_announce`` (``relay_host`` overrides its host; "": this host's address
+        on the route to the publisher). ``dial``: this host accepts no inbound connection;
+        the chunks come down connections dialed to the publisher's listener at this URL
+        (``echo2.weights.dial``) and no inbox is opened.
 
         ``sealed`` (``[security]``): the relay inbox admits only senders that prove the
         plan's stream secret and are the publisher or this member's predecessor
@@ -201,6 +214,10 @@ class WeightReceiver:
         self._refilling = False
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
+        # When each recent version's manifest came (monotonic), and then how long it took
+        # to arrive and when it was complete (unix): WeightsInstalled carries them.
+        self._manifest_s: dict[PolicyVersion, float] = {}
+        self._arrivals: dict[PolicyVersion, tuple[float, float]] = {}
         # Delta versions (``echo2.weights.delta``): the last complete version's state (the
         # base a delta rebuilds from; read only), the full manifest of the delta version
         # whose payload is being assembled, and the version being rebuilt.
@@ -218,6 +235,10 @@ class WeightReceiver:
         self._counts: dict[str, StreamCount] = {}  # successor address -> stream count (outlives lanes)
         self.max_streams = max_streams
         self.finish_within = finish_within
+        self.relay_bind = relay_bind
+        self.relay_announce = relay_announce
+        self.dial = dial
+        self._dialer: Dialer | None = None
         self._parked: WeightManifest | None = None  # a newer version waiting for this one to finish
         self._pool = concurrent.futures.ThreadPoolExecutor(verify_threads, thread_name_prefix=f"verify-{name}")
         self._slots = asyncio.Semaphore(verify_threads)
@@ -262,20 +283,25 @@ class WeightReceiver:
         """
         control_url = self._control.endpoints[0] if self._control.endpoints else "inproc://x"
         bind = relay_bind_url(control_url, self.name)
-        if self.data_plane == "stream" and bind.startswith("tcp://"):
-            listener = socket.create_server(("", 0), family=socket.AF_INET, backlog=64)
-            listener.setblocking(False)
-            self._stream_socket = listener
-            self._stream = ChunkStreamServer(
-                self._on_landed,
-                self._stream_destination,
-                self._stream_abandon,
-                max_chunk_bytes=max_message_bytes(64 << 20),
-                authenticate=self._authenticates if self.sealed else None,
-                admit_wait_s=self.gap_timeout_s,
+        if self.dial:
+            self._stream = self._stream_server(authenticate=False)
+            self._dialer = Dialer(
+                self._stream,
+                STREAM_SCHEME + self.dial[len("tcp") :],
+                self.name,
+                credentials=self._dial_credentials,
+                max_streams=self.max_streams,
+                connect_timeout_s=self.connect_timeout_s,
             )
-            port = listener.getsockname()[1]
-            tcp = announce_url(f"tcp://*:{port}", control_url, self._relay_host)
+            self.relay_address = dial_address(self.name)
+            return self.relay_address
+        if bind.startswith("tcp://") and self.relay_bind:
+            bind = self.relay_bind
+        if self.data_plane == "stream" and bind.startswith("tcp://"):
+            listener = listen(bind, backlog=512)
+            self._stream_socket = listener
+            self._stream = self._stream_server(authenticate=self.sealed)
+            tcp = self._announced(f"tcp://*:{listener.getsockname()[1]}", control_url)
             self.relay_address = STREAM_SCHEME + tcp[len("tcp") :]
             return self.relay_address
         self._inbox = self._transport.pull(
@@ -283,8 +309,35 @@ class WeightReceiver:
             bind=[bind],
             options=SocketOptions(hwm=RELAY_HWM, max_message_bytes=max_message_bytes(64 << 20)),
         )
-        self.relay_address = announce_url(self._inbox.endpoints[0], control_url, self._relay_host)
+        self.relay_address = self._announced(self._inbox.endpoints[0], control_url)
         return self.relay_address
+
+    def _stream_server(self, *, authenticate: bool) -> ChunkStreamServer:
+        return ChunkStreamServer(
+            self._on_landed,
+            self._stream_destination,
+            self._stream_abandon,
+            max_chunk_bytes=max_message_bytes(64 << 20),
+            authenticate=self._authenticates if authenticate else None,
+            admit_wait_s=self.gap_timeout_s,
+        )
+
+    def _announced(self, bound: str, control_url: str) -> str:
+        """The tcp URL peers reach an inbox bound at ``bound`` by: the topology's, with
+        ``relay_host`` in place of its host when set; else found on the route."""
+        if not bound.startswith("tcp://"):
+            return bound
+        port = bound.rpartition(":")[2]
+        if self._relay_host:
+            return f"tcp://{url_host(self._relay_host)}:{port}"
+        if self.relay_announce:
+            return f"tcp://{url_host_of(self.relay_announce)}:{port}"
+        return announce_url(bound, control_url)
+
+    def _dial_credentials(self) -> tuple[str, bytes] | None:
+        """(publisher, stream secret) of the newest plan, for a dialed stream's answer."""
+        plan = self._plan
+        return (plan.publisher, plan.stream_secret) if plan is not None else None
 
     def close(self) -> None:
         for lanes in self._lanes.values():
@@ -305,6 +358,8 @@ class WeightReceiver:
             await self._stream.start_on(self._stream_socket)
         async with asyncio.TaskGroup() as group:
             self._group = group
+            if self._dialer is not None:
+                group.create_task(self._dialer.run(self.sealed))
             group.create_task(self._control_loop())
             group.create_task(self._relay_loop())
             group.create_task(self._announce_loop())
@@ -369,18 +424,22 @@ class WeightReceiver:
             "downlink_bytes": self._downlink.bytes,
         }
 
-    async def report_installed(self, key: PolicyVersion, install_s: float) -> None:
-        """Tell the publisher this version is installed (T_bcast counts it)."""
+    async def report_installed(self, key: PolicyVersion, install_s: float) -> WeightsInstalled:
+        """Tell the publisher this version is installed (T_bcast counts it); returns what
+        was sent (with how long the version took to arrive, and when it was complete)."""
         self._installed_key = key if self._installed_key is None else max(key, self._installed_key)
-        await self._control.send(
-            WeightsInstalled(
-                sampler_id=self.name,
-                incarnation=key.incarnation,
-                version=key.version,
-                install_s=install_s,
-                time_s=time.time(),
-            )
+        received_s, complete_time_s = self._arrivals.get(key, (0.0, 0.0))
+        message = WeightsInstalled(
+            sampler_id=self.name,
+            incarnation=key.incarnation,
+            version=key.version,
+            install_s=install_s,
+            time_s=time.time(),
+            received_s=received_s,
+            complete_time_s=complete_time_s,
         )
+        await self._control.send(message)
+        return message
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -494,6 +553,9 @@ class WeightReceiver:
 
     async def _on_manifest(self, manifest: WeightManifest) -> None:
         key = manifest.policy_version
+        self._manifest_s.setdefault(key, time.monotonic())
+        while len(self._manifest_s) > 8:
+            del self._manifest_s[next(iter(self._manifest_s))]
         if self._parked is not None and key == self._parked.policy_version:
             # The publisher sent the waiting version again (a repair of one it no longer
             # holds, or a member overdue): finishing the older one is over.
@@ -738,6 +800,11 @@ class WeightReceiver:
     def _finish(self, assembler: SnapshotAssembler) -> None:
         """A version complete and verified: the base of the next delta, and ``on_complete``."""
         self._complete_key = assembler.key
+        key = assembler.key
+        arrived_s = self._manifest_s.get(key, assembler.started_at)
+        self._arrivals[key] = (time.monotonic() - arrived_s, time.time())
+        while len(self._arrivals) > 8:
+            del self._arrivals[next(iter(self._arrivals))]
         self._base = (assembler.key, assembler.plaintext)
         self.counters["versions_complete"] += 1
         # Shared-memory members need no spare for the bytes received, only for those opened.

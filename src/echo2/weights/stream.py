@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "chunkstream"
 MAGIC = b"E2CK"
+DIAL_MORE_MAGIC = b"E2DN"
+"""On a dialed stream (``echo2.weights.dial``), publisher -> member: a header whose index
+is how many connections the publisher wants the member to keep dialed."""
 FORMAT = 1
 HEADER = struct.Struct("<4sB3xqqqQ")
 CHALLENGE = struct.Struct("<4sB3x32s")
@@ -175,6 +178,24 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"chunk stream address needs host:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def listen(url: str, backlog: int = 256) -> socket.socket:
+    """A listening socket for ``tcp://HOST:PORT`` (``*``: every IPv4 interface; ``[::]``:
+    every interface, IPv6 and IPv4; port 0: any free one), non-blocking."""
+    if not url.startswith("tcp://"):
+        raise ValueError(f"a chunk stream listens on a tcp URL, got {url!r}")
+    host, _, port = url[len("tcp://") :].rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"a chunk stream listener needs host:port, got {url!r}")
+    host = "" if host == "*" else host.strip("[]")
+    if ":" in host:
+        dual = host == "::" and socket.has_dualstack_ipv6()
+        sock = socket.create_server((host, int(port)), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=dual)
+    else:
+        sock = socket.create_server((host, int(port)), family=socket.AF_INET, backlog=backlog)
+    sock.setblocking(False)
+    return sock
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -289,6 +310,10 @@ class _Connection(asyncio.BufferedProtocol):
     def _start_body(self) -> None:
         server = self._server
         magic, fmt, incarnation, version, index, nbytes = HEADER.unpack(self._header)
+        if magic == DIAL_MORE_MAGIC and fmt == FORMAT and nbytes == 0 and server.on_dial_more is not None:
+            self._got = 0
+            server.on_dial_more(index)
+            return
         if magic != MAGIC or fmt != FORMAT or nbytes > server.max_chunk_bytes or index < 0:
             server.counters["malformed"] += 1
             log.warning("chunk stream: malformed frame header from a peer; closing its connection")
@@ -333,6 +358,9 @@ class ChunkStreamServer:
         handshake_timeout_s: float = 10.0,
     ) -> None:
         self.authenticate = authenticate
+        self.on_dial_more: Callable[[int], None] | None = None
+        """Set by a member that dials (``echo2.weights.dial``): the publisher asked for
+        this many dialed connections."""
         self.admit_wait_s = admit_wait_s
         self.handshake_timeout_s = handshake_timeout_s
         self._parked: dict[_Connection, float] = {}  # -> deadline (monotonic s)
@@ -368,6 +396,13 @@ class ChunkStreamServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
         return int(self._server.sockets[0].getsockname()[1])
+
+    async def serve_dialed(self, sock: socket.socket) -> asyncio.Transport:
+        """Read frames from a connection this side opened (a dialed stream: the peer
+        sends down it what it would have sent to a relay inbox)."""
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_accepted_socket(lambda: _Connection(self), sock)
+        return transport
 
     async def start_on(self, listener: socket.socket) -> None:
         """Serve on a socket already bound and listening (bound early, served later);
@@ -501,6 +536,35 @@ class ChunkStreamSender:
         self.stalls = 0
         """Sends that failed for want of progress."""
 
+    @classmethod
+    def adopted(cls, sock: socket.socket, address: str, *, stall_timeout_s: float = 5.0) -> ChunkStreamSender:
+        """A sender on a connection the peer opened (``echo2.weights.dial``); ``address``
+        names it (``dial://member``) and it is never re-opened from here."""
+        sender = cls.__new__(cls)
+        sender.credentials = None
+        sender.address = address
+        sender._host, sender._port = "", 0
+        sender.connect_timeout_s = 0.0
+        sender.stall_timeout_s = stall_timeout_s
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sender._sock = sock
+        sender._lock = asyncio.Lock()
+        sender.closed = False
+        sender.stalls = 0
+        return sender
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Write a control frame (whole, between chunks) on this stream."""
+        async with self._lock:
+            if self._sock is None or self.closed:
+                raise ClosedError(f"chunk stream to {self.address} is closed")
+            try:
+                await self._send_progressing(asyncio.get_running_loop(), self._sock, memoryview(frame))
+            except OSError as exc:
+                self.close()
+                raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
+
     def stall_deadline_s(self) -> float:
         """Seconds without a byte taken before a send fails (see the class docstring)."""
         return max(self.stall_timeout_s, 3 * tcp_info(self._sock).rto_s)
@@ -572,6 +636,8 @@ class ChunkStreamSender:
                 loop.remove_writer(fd)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        if not self._host:
+            raise ClosedError(f"chunk stream {self.address} was dialed by its peer and is gone")
         infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
@@ -611,6 +677,7 @@ class ChunkStreamSender:
 
 
 __all__ = [
+    "DIAL_MORE_MAGIC",
     "HEADER",
     "SCHEME",
     "Authenticate",
@@ -619,6 +686,7 @@ __all__ = [
     "StreamCredentials",
     "TcpInfo",
     "is_stream_address",
+    "listen",
     "parse_address",
     "stream_mac",
     "tcp_info",
