@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from tests.polling import until
+from tests.ports import port_bases
 
 from echo2.messages import Snapshot, WeightChunk
 from echo2.transport import Transport
@@ -75,6 +78,8 @@ class Harness:
         gap_timeout_s: float = 0.3,
         verify_manifest=None,  # type: ignore[no-untyped-def]
         shm: bool = True,
+        dial: str = "",
+        finish_within: int = 0,
     ) -> WeightReceiver:
         control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
         self.complete[name] = []
@@ -97,6 +102,8 @@ class Harness:
             verify_manifest=verify_manifest,
             data_plane=self.data_plane,
             shm_dir=self.shm_dir if shm else None,
+            dial=dial,
+            finish_within=finish_within,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -125,6 +132,7 @@ async def harness(
     medium: str = "inproc",
     shm_dir: str | None = None,
     delta_anchor_every: int = 0,
+    dial_in: str = "",
 ) -> AsyncIterator[Harness]:
     """``medium``: "inproc" (ZeroMQ PULL inboxes), "tcp" (chunk-stream inboxes, the default
     over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp). ``shm_dir``: shared memory for
@@ -144,6 +152,7 @@ async def harness(
         fault=fault,
         shm_dir=shm_dir,
         delta_anchor_every=delta_anchor_every,
+        dial_in=dial_in,
     )
     try:
         async with asyncio.TaskGroup() as group:
@@ -528,3 +537,77 @@ async def test_repair_bytes_stay_within_the_bytes_missing() -> None:
         assert missing <= stats["requested_bytes_received"] <= 1.2 * missing
         assert h.broadcaster.counters["repair_bytes_sent"] <= 1.2 * missing
         assert stats["repair_bytes_requested"] >= stats["repair_missing_bytes"]
+
+
+async def test_a_member_that_accepts_no_connection_dials_and_gets_every_version() -> None:
+    """Behind NAT: no inbox; it dials the publisher's listener, which sends its chunks (and
+    repairs) down those connections, and the others still relay among themselves."""
+    (base,) = port_bases(1, span=1)
+    dial_in = f"tcp://127.0.0.1:{base}"
+    async with harness(mode="relay", medium="tcp", dial_in=dial_in) as h:
+        h.add("open-a")
+        natted = h.add("natted", dial=dial_in)
+        h.add("open-b")
+        assert natted.relay_address == "dial://natted" and natted._stream_socket is None  # nothing listens
+        await h.broadcaster.wait_members(3)
+        for version in (1, 2):
+            snap = snapshot(version)
+            h.broadcaster.publish_nowait(snap)
+            await h.wait_complete(["open-a", "natted", "open-b"], version)
+            assert equal_to(h.complete["natted"][-1], snap)
+        assert h.broadcaster.dial_listener.counters["dialed"] >= 1
+        assert h.broadcaster.streams_to("natted") >= 1
+        chains = h.broadcaster._latest_plan.chains if h.broadcaster._latest_plan else []
+        assert [c.members for c in chains if "natted" in c.members] == [["natted"]]  # fed directly
+        assert natted.statistics()["stream_bytes_received"] > 0
+
+
+async def test_a_dialer_not_a_member_is_refused() -> None:
+    from echo2.weights.dial import DialListener, admits, answer_frame
+
+    dialed: list[str] = []
+
+    def on_dialed(name: str, sock: socket.socket) -> None:
+        dialed.append(name)
+        sock.close()
+
+    listener = DialListener(admits(lambda: [b""], lambda: {"member"}, "pub"), on_dialed)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(listener.serve(server, group))
+        for name in ("stranger", "member"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setblocking(False)
+            challenge = await loop.sock_recv(sock, 40)
+            await loop.sock_sendall(sock, answer_frame(name, "pub", challenge[8:], b""))
+            await until(
+                lambda: (
+                    listener.counters["dialed"] + listener.counters["refused"] == len(dialed) + 1
+                    or dialed == ["member"]
+                )
+            )
+            sock.close()
+        serving.cancel()
+    assert dialed == ["member"] and listener.counters["refused"] == 1
+
+
+async def test_a_member_holding_half_a_version_finishes_it_before_the_next() -> None:
+    """Each newer version used to cancel the older: a slow member then installed nothing.
+    Within the staleness budget, a member with half of a version finishes it (the rest
+    repaired from the publisher, which keeps it), then takes the newer one."""
+    async with harness(mode="star", link=LinkSpec(uplink_mbps=16.0), medium="tcp") as h:
+        h.add("finisher", finish_within=3)
+        h.add("eager")  # finish_within=0: the newer version always takes over
+        await h.broadcaster.wait_members(2)
+        older, newer = snapshot(1, 24 * CHUNK), snapshot(3, 24 * CHUNK)
+        h.broadcaster.publish_nowait(older)
+        chunks = len(make_manifest(older, CHUNK).chunk_digests)
+        await until(lambda: h.receivers["finisher"].counters["chunks_received"] > chunks // 2, what="half of v1")
+        h.broadcaster.publish_nowait(newer)
+        await h.wait_complete(["finisher", "eager"], 3, timeout_s=20)
+        assert [a.key[1] for a in h.complete["finisher"]] == [1, 3]
+        assert equal_to(h.complete["finisher"][0], older) and equal_to(h.complete["finisher"][1], newer)
+        assert [a.key[1] for a in h.complete["eager"]] == [3]
+        assert h.receivers["finisher"].counters["versions_finished"] == 1

@@ -832,6 +832,9 @@ class WeightBroadcaster:
         receiver whose deadline passed while its chunks waited here asks again, and those
         chunks must go once."""
         self.counters["repair_requests"] += 1
+        member = self._members.get(request.sampler_id)
+        if member is not None:  # it is at work on a version (maybe finishing an older one): not overdue
+            member.manifest_sent_s = max(member.manifest_sent_s, time.monotonic())
         fresh = self._queued_repairs.admit(request.sampler_id, request.policy_version, request.indices)
         self.counters["repair_duplicates_dropped"] += len(request.indices) - len(fresh)
         if fresh or not request.indices:

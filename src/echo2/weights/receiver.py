@@ -557,9 +557,11 @@ class WeightReceiver:
         while len(self._manifest_s) > 8:
             del self._manifest_s[next(iter(self._manifest_s))]
         if self._parked is not None and key == self._parked.policy_version:
-            # The publisher sent the waiting version again (a repair of one it no longer
-            # holds, or a member overdue): finishing the older one is over.
-            await self._abandon_for_parked()
+            # The publisher sent the waiting version again: it no longer holds the one being
+            # finished (the answer to its repair), or finds this member overdue. Over,
+            # unless bytes of it still arrive.
+            if self._meter.idle_s >= self.stall_deadline_s():
+                await self._abandon_for_parked()
             return
         newest = self.newest()
         # The dense form of the version being assembled as a delta (the publisher moved us
@@ -980,10 +982,13 @@ class WeightReceiver:
 
     def stall_deadline_s(self) -> float:
         """Seconds without a byte before the version being assembled counts as stalled.
-        While it is finished before a newer one, K round trips: its stream has moved on
-        to the newer version, and what it lacks comes by repair."""
+        While it is finished before a newer one, K round trips (at least a quarter of
+        ``gap_timeout_s``): its stream has moved on to the newer version, and what it
+        lacks comes by repair."""
         rtt = self._rtt_s()
-        floor = min(self.gap_timeout_s, K * rtt) if self._parked is not None and rtt > 0 else self.gap_timeout_s
+        floor = self.gap_timeout_s
+        if self._parked is not None:
+            floor = min(floor, max(K * rtt, floor / 4))
         return transfer_deadline_s(0, self._meter.rate_bps, rtt, floor)
 
     async def _watchdog_loop(self) -> None:
