@@ -233,8 +233,8 @@ _COUNTERS = (
     "installs", "weight_repair_requests", "weight_chunks_forwarded", "published", "superseded",
     "repair_requests", "repair_chunks_sent", "send_failures", "members_expired", "stream_bytes",
     "weight_missing_bytes", "weight_repair_bytes_requested", "weight_requested_bytes_received", "weight_stream_bytes",
-    "weight_forward_failures",
-    "repair_bytes_sent", "repair_duplicates_dropped",
+    "weight_forward_failures", "weight_versions_finished", "weight_versions_abandoned",
+    "repair_bytes_sent", "repair_duplicates_dropped", "dialed_streams", "max_streams",
 )  # fmt: skip
 
 

@@ -268,6 +268,10 @@ class SamplerStats(Statistics, frozen=True):
     weight_forward_failures: int = 0
     """Successors skipped for a version: their stream took no byte in the forward timeout,
     or could not be opened."""
+    weight_versions_finished: int = 0
+    """Versions finished before a newer one that arrived meanwhile (``WeightReceiver``)."""
+    weight_versions_abandoned: int = 0
+    """Versions given up while finishing them (the publisher had moved on)."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""
@@ -382,6 +386,10 @@ class PublisherStats(Statistics, frozen=True):
     delta_dense_requests: int = 0
     """Members that asked for the dense form of a delta version (base lost, rebuild failed)."""
     members: int = 0
+    dialed_streams: int = 0
+    """Chunk-stream connections dialed in by members that accept none (``echo2.weights.dial``)."""
+    max_streams: int = 0
+    """Most parallel chunk streams open to one member now (``echo2.weights.lanes``)."""
     uplink_bytes: int = 0
     latest_version: int = -1
     t_bcast_s: float = -1.0

@@ -274,6 +274,8 @@ class Sampler(Actor):
             weight_requested_bytes_received=int(received.get("requested_bytes_received", 0)),
             weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
             weight_forward_failures=int(received.get("forward_failures", 0)),
+            weight_versions_finished=int(received.get("versions_finished", 0)),
+            weight_versions_abandoned=int(received.get("versions_abandoned", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
             generate_s=self.generate_s,
             wait_weights_s=self.wait_weights_s,

@@ -151,6 +151,8 @@ class WeightPublisher(Actor):
             delta_fallbacks=int(b["delta_fallbacks"]),
             delta_dense_requests=int(b["delta_dense_requests"]),
             members=int(b["members"]),
+            dialed_streams=int(b["dialed_streams"]),
+            max_streams=int(b["max_streams"]),
             uplink_bytes=int(b["uplink_bytes"]),
             latest_version=latest.version if latest is not None else -1,
             t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,

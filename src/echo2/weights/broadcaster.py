@@ -400,6 +400,8 @@ class WeightBroadcaster:
         return {
             **self.counters,
             "members": len(self._members),
+            "dialed_streams": self.dial_listener.counters["dialed"],
+            "max_streams": max((lanes.streams for lanes in self._lanes.values()), default=0),
             "t_bcast_s": self.last_t_bcast_s,
             "uplink_bytes": self._uplink.bytes,
         }
