@@ -473,8 +473,8 @@ def test_t_bcast_is_recorded_for_superseded_versions_and_for_those_that_never_re
 @pytest.mark.parametrize("stale", [False, True], ids=["this-version", "older-version"])
 async def test_a_chunk_trickling_in_slower_than_the_gap_timeout_is_not_repaired(stale: bool) -> None:
     """Progress is counted in bytes of the version being assembled: a stream that delivers
-    a chunk over several gap timeouts (a loss-bound path) is neither dropped nor raced by a
-    repair, and the version completes from it. Bytes of an older version (a slow
+    a chunk over more than a gap timeout (a loss-bound path), within the straggler deadline,
+    is neither dropped nor raced by a repair, and the version completes from it. Bytes of an older version (a slow
     predecessor still draining) are no progress: the missing chunk is repaired meanwhile."""
     import socket
 
@@ -499,9 +499,9 @@ async def test_a_chunk_trickling_in_slower_than_the_gap_timeout_is_not_repaired(
             slow.sendall(HEADER.pack(MAGIC, 1, 1, 0 if stale else 1, 0, CHUNK))
             pieces = 16
             try:
-                for at in range(0, CHUNK, CHUNK // pieces):  # ~4 gap timeouts for the whole chunk
+                for at in range(0, CHUNK, CHUNK // pieces):  # 1.5 gap timeouts for the whole chunk
                     slow.sendall(body[at : at + CHUNK // pieces])
-                    await asyncio.sleep(4 * gap_s / pieces)  # the slow path, not a synchronisation
+                    await asyncio.sleep(1.5 * gap_s / pieces)  # the slow path, not a synchronisation
             except (BrokenPipeError, ConnectionResetError):
                 assert stale  # a stalled version drops streams stuck mid-chunk: only this one
             await h.wait_complete(["a"], 1, timeout_s=10)
@@ -611,3 +611,42 @@ async def test_a_member_holding_half_a_version_finishes_it_before_the_next() -> 
         assert equal_to(h.complete["finisher"][0], older) and equal_to(h.complete["finisher"][1], newer)
         assert [a.key[1] for a in h.complete["eager"]] == [3]
         assert h.receivers["finisher"].counters["versions_finished"] == 1
+
+
+async def test_a_last_chunk_straggling_on_its_stream_is_repaired_on_another() -> None:
+    """One stream of many backing off after losses trickles the version's last chunk: after
+    the straggler deadline that stream is dropped and the chunk repaired, well before the
+    trickle would have ended."""
+    from echo2.weights.stream import HEADER, MAGIC, parse_address
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        return None if chunk.index == 0 else chunk  # chunk 0 comes only by the straggler
+
+    gap_s = 0.3
+    async with harness(mode="relay", fault=fault, medium="tcp") as h:
+        receiver = h.add("a", gap_timeout_s=gap_s)
+        await h.broadcaster.wait_members(1)
+        host, port = parse_address(receiver.relay_address)
+        straggler = socket.create_connection((host, port))
+        try:
+            snap = snapshot(1)
+            h.broadcaster.publish_nowait(snap, make_manifest(snap, CHUNK))
+            await until(lambda: receiver.assembling == (1, 1), what="the manifest")
+            straggler.sendall(HEADER.pack(MAGIC, 1, 1, 1, 0, CHUNK))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for at in range(CHUNK):  # a byte every 20 ms: never quiet, done after ~20 minutes
+                if h.complete["a"]:
+                    break
+                try:
+                    straggler.sendall(snap.data[at : at + 1].tobytes())
+                except (BrokenPipeError, ConnectionResetError):
+                    break  # dropped by the receiver
+                await asyncio.sleep(0.02)  # the straggling path, not a synchronisation
+            await h.wait_complete(["a"], 1, timeout_s=10)
+            assert loop.time() - started < 10 * receiver.straggler_deadline_s()
+        finally:
+            straggler.close()
+        assert equal_to(h.complete["a"][-1], snap)
+        assert receiver.counters["stalled_streams_dropped"] >= 1 and receiver.counters["repair_requests"] >= 1
+        assert receiver.statistics()["repair_missing_bytes"] == CHUNK

@@ -165,7 +165,9 @@ def analyse(result: JobResult) -> dict[str, Any]:
             "complete_latency_s_median": _round(median(complete)),
             "weight_goodput_mbit_median": _round(median([version_bytes * 8 / t / 1e6 for t in complete if t > 0])),
             # From the version's manifest reaching the edge to complete: the transfer alone.
-            "arrival_goodput_mbit_median": _round(median([version_bytes * 8 / r / 1e6 for _, r, _ in arrivals if r > 0])),
+            "arrival_goodput_mbit_median": _round(
+                median([version_bytes * 8 / r / 1e6 for _, r, _ in arrivals if r > 0])
+            ),
         }
     t_bcast = [float(b["t_bcast_s"]) for b in result.broadcasts if b.get("t_bcast_s") is not None]
     t_train = float(s.get("train_s_mean", 0.0))

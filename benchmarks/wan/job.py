@@ -233,7 +233,11 @@ def _collect(
         if record["kind"] == "install":
             installs.setdefault(record["sampler"], []).append(int(record["version"]))
             install_times.setdefault(record["sampler"], []).append((int(record["version"]), float(record["unix_s"])))
-            arrival = (int(record["version"]), float(record.get("received_s", 0.0)), float(record.get("complete_unix_s", 0.0)))
+            arrival = (
+                int(record["version"]),
+                float(record.get("received_s", 0.0)),
+                float(record.get("complete_unix_s", 0.0)),
+            )
             arrivals.setdefault(record["sampler"], []).append(arrival)
         elif record["kind"] == "stats":
             stats[record["actor"]] = record

@@ -225,9 +225,31 @@ class Bed:
                 self._sysctls(ns, ipv6=ipv6 and not host.private)
                 _ip("-n", ns, "link", "set", "lo", "up")
             ns = host.link_namespace
-            _ip("link", "add", host.switch_port, "netns", self.switch, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip(
+                "link",
+                "add",
+                host.switch_port,
+                "netns",
+                self.switch,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", ns, "link", "set", "eth0", "address", host.mac)
-            _ip("-n", ns, "addr", "add", f"{host.address}/{host.prefix_len}", "dev", "eth0", *(["nodad"] if host.ipv6 else []))
+            _ip(
+                "-n",
+                ns,
+                "addr",
+                "add",
+                f"{host.address}/{host.prefix_len}",
+                "dev",
+                "eth0",
+                *(["nodad"] if host.ipv6 else []),
+            )
             for name, link_ns in (("eth0", ns), (host.switch_port, self.switch)):
                 self._exec(link_ns, [sys.executable, "-m", "benchmarks.wan.netbed", "offloads", name])
                 _ip("-n", link_ns, "link", "set", name, "up")
@@ -266,14 +288,16 @@ class Bed:
         self._exec(router, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
         rules = (
             "table ip echo2nat {\n"
-            "  chain postrouting { type nat hook postrouting priority srcnat; oifname \"eth0\" masquerade; }\n"
+            '  chain postrouting { type nat hook postrouting priority srcnat; oifname "eth0" masquerade; }\n'
             "  chain forward { type filter hook forward priority filter; policy drop;\n"
-            "    ct state established,related accept; iifname \"lan0\" accept; }\n"
+            '    ct state established,related accept; iifname "lan0" accept; }\n'
             "  chain input { type filter hook input priority filter; policy accept;\n"
-            "    iifname \"eth0\" ct state new drop; }\n"
+            '    iifname "eth0" ct state new drop; }\n'
             "}\n"
         )
-        done = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True)
+        done = subprocess.run(
+            ["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"in {router}: nft: {done.stderr.strip()}")
 

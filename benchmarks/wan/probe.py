@@ -274,7 +274,9 @@ def validate(
     }
 
 
-def stream_sweep(bed: Bed, server: str, client: str, counts: list[int], *, seconds: float = 8.0) -> list[dict[str, Any]]:
+def stream_sweep(
+    bed: Bed, server: str, client: str, counts: list[int], *, seconds: float = 8.0
+) -> list[dict[str, Any]]:
     """Aggregate TCP goodput ``server -> client`` over each number of parallel streams in
     ``counts``, one after the other (what the weight path's stream count is chosen from)."""
     a, b = bed.hosts[server], bed.hosts[client]

@@ -100,6 +100,9 @@ RETAINED_VERSIONS = 2
 """Versions whose bytes stay here for repair: the latest, and the one before it for members
 still finishing it (``WeightReceiver``: a member that holds most of a version when the next
 one is published finishes it first). Each costs one snapshot of memory."""
+UNKNOWN_PATH_CHUNK_BYTES = 256 << 10
+"""Largest chunk while a member's path is unknown (no connection measured yet): a chunk
+stays on its stream until done, and a 1 MB one takes 13 s on a stream at 0.6 Mbit/s."""
 MAX_STREAMS = 128
 """Parallel chunk streams per member, at most (``echo2.weights.lanes``): at 200 ms and 1%
 loss, 128 reno streams carried ~71 Mbit/s of a 100 Mbit/s link in the WAN test bed."""
@@ -328,8 +331,17 @@ class WeightBroadcaster:
         .chunk_bytes_for``): a few chunks per parallel stream of the member reached over
         the most, none longer than half a second on the slowest member's streams."""
         streams = max((count.n for count in list(self._counts.values())), default=1)
-        rates = [rate for lanes in list(self._lanes.values()) if (rate := lanes.per_stream_bps()) is not None]
-        return chunk_bytes_for(total_bytes, streams, self.chunk_bytes, per_stream_bps=min(rates, default=None))
+        rates = []
+        for member in list(self._members.values()):
+            if not (is_stream_address(member.address) or is_dial_address(member.address)):
+                continue
+            lanes = self._lanes.get(member.address)
+            rates.append(lanes.per_stream_bps() if lanes is not None else None)
+        largest = self.chunk_bytes
+        if None in rates:  # a member whose path nothing is known of yet: no chunk may take it long
+            largest = min(largest, UNKNOWN_PATH_CHUNK_BYTES)
+        known = [rate for rate in rates if rate is not None]
+        return chunk_bytes_for(total_bytes, streams, largest, per_stream_bps=min(known, default=None))
 
     def prepare_delta(self, snapshot: Snapshot, manifest: WeightManifest) -> DeltaForm | None:
         """The delta form of ``snapshot`` (in the clear; ``manifest`` its prepared one)
@@ -733,32 +745,45 @@ class WeightBroadcaster:
         # One form per plan: the delta payload when the plan's members took it.
         data, manifest = version.form()
         size = manifest.chunk_bytes
-        try:
+
+        async def feed(seed: str, stripe_set: set[int]) -> None:
+            """Put the seed's stripes on its lanes, at its own pace: one slow member never
+            holds back the others' streams."""
             for index in range(len(manifest.chunk_digests)):
+                if index % stripes not in stripe_set:
+                    continue
+                if seed in dead:
+                    return
                 chunk = WeightChunk(
                     incarnation=manifest.incarnation,
                     version=manifest.version,
                     index=index,
                     data=data[index * size : (index + 1) * size],
                 )
-                for seed in seeds.get(chunk.index % stripes, ()):
-                    if seed in dead:
-                        continue
-                    out = chunk if self._fault is None else self._fault(seed, chunk)
-                    if out is None:
-                        continue
-                    pending.add()
-                    put = self._put_chunk(
-                        seed, addresses[seed], out, plan.stream_secret, tag, done_for(seed, out.data.nbytes)
-                    )
-                    if not await put:
-                        pending.settle()
-                        if seed not in dead:
-                            dead.add(seed)
-                            self.counters["send_failures"] += 1
+                out = chunk if self._fault is None else self._fault(seed, chunk)
+                if out is None:
+                    continue
+                pending.add()
+                put = self._put_chunk(
+                    seed, addresses[seed], out, plan.stream_secret, tag, done_for(seed, out.data.nbytes)
+                )
+                if not await put:
+                    pending.settle()
+                    if seed not in dead:
+                        dead.add(seed)
+                        self.counters["send_failures"] += 1
+
+        stripes_of: dict[str, set[int]] = {}
+        for stripe, members in seeds.items():
+            for seed in members:
+                stripes_of.setdefault(seed, set()).add(stripe)
+        try:
+            async with asyncio.TaskGroup() as feeders:
+                for seed, stripe_set in stripes_of.items():
+                    feeders.create_task(feed(seed, stripe_set))
             await pending.wait()
         except asyncio.CancelledError:
-            for seed in {seed for members in seeds.values() for seed in members}:
+            for seed in stripes_of:
                 lanes = self._lanes.get(addresses[seed])
                 if lanes is not None:
                     lanes.discard(lambda queued: queued != tag)

@@ -20,7 +20,7 @@ Each ``put`` gets an outcome through its ``done`` callback: "sent" (the kernel t
 whole frame), "failed" (the peer is gone) or "discarded" (``discard``: a superseded
 version's chunks that had not left yet). A lane whose send fails (no progress for the
 stall deadline, a reset, a refused connection) closes its connection and its chunk goes
-to another lane; once ``max(1, min(n, 2))`` sends in a row failed with none succeeding the
+to another lane; once ``min(n, GONE_AFTER)`` sends in a row failed with none succeeding the
 peer counts as gone: every chunk still queued fails, and so does every later ``put``.
 Memory: chunks are views (of a snapshot or an assembly buffer), at most ``n`` queued
 beside the ``n`` being sent; ``put`` waits for room.
@@ -51,6 +51,9 @@ from echo2.weights.stream import ChunkStreamSender
 log = logging.getLogger(__name__)
 
 Outcome = Literal["sent", "failed", "discarded"]
+GONE_AFTER = 4
+"""Sends failing in a row, none succeeding between them, after which the peer is gone (a
+dead peer refuses every reconnection at once; a live one succeeds on some lane)."""
 SAMPLE_EVERY_S = 0.5
 """A busy period longer than this (and 4 round trips) is measured in windows of it."""
 Done = Callable[[Outcome], None]
@@ -357,7 +360,7 @@ class Lanes:
                 self._lanes.pop(index, None)
                 self._hand(entry, first=True)
                 return
-        elif self._failures_in_row < max(1, min(self.count.n, 2)):
+        elif self._failures_in_row < max(1, min(self.count.n, GONE_AFTER)):
             self._hand(entry, first=True)  # another lane tries it; this one reconnects
             return
         self.failed = True

@@ -229,6 +229,9 @@ class OutstandingRepairs:
 
 MATHIS_C = 1.22
 """sqrt(3/2): the constant of the Mathis bound for a loss-bound reno stream."""
+LOSS_BOUND = 4.0
+"""A stream carrying at most this many times its Mathis share is taken to be held back by
+loss (the bound is an estimate: slow start and few samples make one period's vary)."""
 MIN_CHUNK_BYTES = 16 << 10
 """Smallest chunk ``chunk_bytes_for`` picks: below it the per-chunk costs (a header, a
 digest, a verification hand-off) start to show."""
@@ -290,11 +293,12 @@ class StreamCount:
       send a quarter of the time, says too little: unchanged;
     * a standing queue (RTT above the path's minimum by a fifth, and 5 ms) means the link
       is full: a quarter fewer streams (never below ``floor``);
-    * streams each within twice their Mathis share (``PathSample.mathis_bps``) are held
-      back by loss, each on its own: more of them carry more. Others (bbr, or a path
-      whose loss is not what limits it) share some other limit: after an increase that
-      bought less than a quarter of its proportional gain (x1.25 for a doubling), back to
-      the count before it, and no growth for the next ``hold`` periods;
+    * streams each within ``LOSS_BOUND`` times their Mathis share (``PathSample.mathis_bps``,
+      at the loss averaged over the periods seen, as one period's is noisy) are held back
+      by loss, each on its own: more of them carry more. Others (bbr, or a path whose loss
+      is not what limits it) share some other limit: after an increase that bought less
+      than a quarter of its proportional gain (x1.25 for a doubling), back to the count
+      before it, and no growth for the next ``hold`` periods;
     * retransmissions without a standing queue, every stream allowed in use: twice as
       many streams (four times while fewer than 16 and loss-bound), up to ``cap``;
     * else unchanged.
@@ -306,7 +310,7 @@ class StreamCount:
         cap: int,
         initial: int = 1,
         floor: int = 1,
-        hold: int = 4,
+        hold: int = 2,
         min_period_s: float = 0.05,
         min_segments: int = 32,
     ) -> None:
@@ -317,6 +321,8 @@ class StreamCount:
         self.n = min(cap, max(floor, initial))
         self._before: PathSample | None = None  # the last sample before an increase
         self._held = 0
+        self.loss = 0.0
+        """Loss averaged over the periods measured (exponentially, 1/3 weight on the newest)."""
         self.last: PathSample | None = None
         self.samples = 0
 
@@ -331,7 +337,9 @@ class StreamCount:
         self.last = sample
         before, self._before = self._before, None
         held, self._held = self._held > 0, max(0, self._held - 1)
-        loss_bound = sample.loss > 0 and sample.goodput_bps / sample.streams <= 2 * sample.mathis_bps()
+        self.loss = sample.loss if self.samples == 1 else (2 * self.loss + sample.loss) / 3
+        averaged = dataclasses.replace(sample, retrans_bytes=int(self.loss * sample.sent_bytes))
+        loss_bound = self.loss > 0 and sample.goodput_bps / sample.streams <= LOSS_BOUND * averaged.mathis_bps()
         if before is not None and sample.streams > before.streams and not loss_bound:
             wanted = 1 + 0.25 * (sample.streams / before.streams - 1)
             if sample.goodput_bps < before.goodput_bps * wanted:
@@ -378,6 +386,7 @@ __all__ = [
     "CHUNK_SECONDS",
     "DEFAULT_MAX_OUTSTANDING_BYTES",
     "INITIAL_WINDOW",
+    "LOSS_BOUND",
     "MAX_CHUNKS",
     "MIN_CHUNK_BYTES",
     "K",

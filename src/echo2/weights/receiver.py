@@ -76,6 +76,11 @@ from echo2.weights.stream import (
 
 log = logging.getLogger(__name__)
 
+TAIL_CHUNKS = 2
+"""A version lacking at most this many chunks (or 2% of them) is in its tail: a chunk still
+on its stream after ``straggler_deadline_s`` is repaired on another."""
+
+
 # -- receiver ----------------------------------------------------------------------------
 
 
@@ -212,6 +217,7 @@ class WeightReceiver:
         self._pacer: RepairPacer | None = None  # of the version being assembled, once it repairs
         self._pacer_key: PolicyVersion | None = None
         self._refilling = False
+        self._repairing: PolicyVersion | None = None  # the version whose every missing chunk is repaired
         self._repair_totals = RepairTally()
         self._complete_key: PolicyVersion | None = None
         # When each recent version's manifest came (monotonic), and then how long it took
@@ -230,7 +236,8 @@ class WeightReceiver:
         self._successor_names: dict[str, str] = {}  # address -> member (whom a stream proves itself to)
         self._dead_successors: set[str] = set()
         self._early: dict[PolicyVersion, list[WeightChunk]] = {}
-        self._forward: asyncio.Queue[tuple[PolicyVersion, str, WeightChunk]] = asyncio.Queue()
+        # One queue and one forwarding task per successor: a slow one never holds back another.
+        self._forward: dict[str, asyncio.Queue[tuple[PolicyVersion, WeightChunk]]] = {}
         self._lanes: dict[str, Lanes] = {}  # successor address -> its lanes
         self._counts: dict[str, StreamCount] = {}  # successor address -> stream count (outlives lanes)
         self.max_streams = max_streams
@@ -364,7 +371,6 @@ class WeightReceiver:
             group.create_task(self._relay_loop())
             group.create_task(self._announce_loop())
             group.create_task(self._watchdog_loop())
-            group.create_task(self._forward_loop())
             if self._delay is not None:
                 group.create_task(self._delayed_loop())
 
@@ -513,6 +519,8 @@ class WeightReceiver:
         newest = self.newest()
         if newest is not None and key < newest:
             return
+        if plan == self._plan:
+            return  # sent again (to a member the publisher found overdue): nothing to redo
         if self._plan is not None and self._plan.policy_version != key:
             self._previous_plan = self._plan
         self._plan = plan
@@ -885,7 +893,12 @@ class WeightReceiver:
             return
         if chunk is None:
             chunk = assembler.chunk(index)
-        self._forward.put_nowait((assembler.key, successor, chunk))
+        queue = self._forward.get(successor)
+        if queue is None:
+            assert self._group is not None
+            queue = self._forward[successor] = asyncio.Queue()
+            self._group.create_task(self._forward_loop(successor, queue))
+        queue.put_nowait((assembler.key, chunk))
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -922,9 +935,9 @@ class WeightReceiver:
             )
         return lanes
 
-    async def _forward_loop(self) -> None:
+    async def _forward_loop(self, address: str, queue: asyncio.Queue[tuple[PolicyVersion, WeightChunk]]) -> None:
         while True:
-            key, address, chunk = await self._forward.get()
+            key, chunk = await queue.get()
             newest = self.newest()
             if (newest is not None and key < newest) or address in self._dead_successors:
                 continue
@@ -983,13 +996,25 @@ class WeightReceiver:
     def stall_deadline_s(self) -> float:
         """Seconds without a byte before the version being assembled counts as stalled.
         While it is finished before a newer one, K round trips (at least a quarter of
-        ``gap_timeout_s``): its stream has moved on to the newer version, and what it
-        lacks comes by repair."""
+        ``gap_timeout_s``): its stream has moved on to the newer version, and what it lacks
+        comes by repair."""
         rtt = self._rtt_s()
         floor = self.gap_timeout_s
         if self._parked is not None:
             floor = min(floor, max(K * rtt, floor / 4))
         return transfer_deadline_s(0, self._meter.rate_bps, rtt, floor)
+
+    def stuck_deadline_s(self) -> float:
+        """Seconds a chunk stream may sit mid-chunk without a byte before that chunk is
+        repaired on another stream (while the version's other streams still move): a
+        stream backing off after repeated losses, whose chunk would be the version's last."""
+        return max(K * self._rtt_s(), self.gap_timeout_s / 2)
+
+    def straggler_deadline_s(self) -> float:
+        """Seconds one of a version's last chunks (``TAIL_CHUNKS``) may take on its stream
+        before it is repaired on another: a stream that lost its window recovers at a
+        segment a round trip, and the version waits for it alone."""
+        return max(K * self._rtt_s(), 2 * self.gap_timeout_s)
 
     async def _watchdog_loop(self) -> None:
         period = max(0.01, self.gap_timeout_s / 4)
@@ -1003,19 +1028,35 @@ class WeightReceiver:
         assembler = self._assembler
         if assembler is None:
             return
-        stalled = self._meter.idle_s >= self.stall_deadline_s()
+        deadline = self.stall_deadline_s()
+        stalled = self._meter.idle_s >= deadline
         if stalled and self._stream is not None:
             # A stream stuck mid-chunk holds that chunk's place in the buffer, so its
-            # repair could never land; a stalled version frees them all.
-            self.counters["stalled_streams_dropped"] += self._stream.drop_partial()
-        if stalled or self._pacer_key == assembler.key:
+            # repair could never land; a stalled version frees those as quiet as it.
+            self.counters["stalled_streams_dropped"] += self._stream.drop_partial(deadline)
+        if stalled or self._repairing == assembler.key:
             await self._request_missing(assembler)  # once repairing: the next window, what expired
+        elif self._stream is not None:
+            await self._repair_stuck(assembler)
+
+    async def _repair_stuck(self, assembler: SnapshotAssembler) -> None:
+        """Chunks of the version stuck mid-stream (``stuck_deadline_s``) while others move:
+        their streams are dropped (freeing their places) and they are repaired, on the
+        publisher's other streams."""
+        assert self._stream is not None
+        missing = len(assembler.missing())
+        tail = missing <= max(TAIL_CHUNKS, len(assembler.manifest.chunk_digests) // 50)
+        age = self.straggler_deadline_s() if tail else None
+        stuck = self._stream.drop_stuck(assembler.key, self.stuck_deadline_s(), age)
+        if stuck:
+            self.counters["stalled_streams_dropped"] += len(stuck)
+            await self._request_missing(assembler, only=stuck)
 
     def _refill_repairs(self, assembler: SnapshotAssembler) -> None:
         """Once half the repair window has landed, ask for the next chunks now rather than
         at the next watchdog tick: on a long path a tick is several round trips."""
         pacer = self._pacer
-        if self._refilling or pacer is None or self._pacer_key != assembler.key or self._group is None:
+        if self._refilling or pacer is None or self._repairing != assembler.key or self._group is None:
             return
         if assembler is not self._assembler or assembler.complete:
             return
@@ -1032,9 +1073,12 @@ class WeightReceiver:
 
         self._group.create_task(refill())
 
-    async def _request_missing(self, assembler: SnapshotAssembler) -> None:
-        """Request the missing chunks that are due (``RepairPacer``: not outstanding, within
-        the member's repair window)."""
+    async def _request_missing(self, assembler: SnapshotAssembler, only: list[int] | None = None) -> None:
+        """Request the missing chunks (or those of ``only``) that are due (``RepairPacer``:
+        not outstanding, within the member's repair window). Without ``only`` the version
+        is repaired whole from now on (each tick and as repairs land: ``_repairing``)."""
+        if only is None:
+            self._repairing = assembler.key
         if self._pacer is None or self._pacer_key != assembler.key:
             self._pacer_key = assembler.key
             self._pacer = RepairPacer(
@@ -1045,7 +1089,7 @@ class WeightReceiver:
         pacer = self._pacer
         before = dataclasses.replace(pacer.tally)
         due = pacer.due(
-            assembler.missing(),
+            assembler.missing() if only is None else sorted(set(only) & set(assembler.missing())),
             self._meter.rate_bps,
             self._rtt_s(),
             progressing=self._meter.idle_s < self.stall_deadline_s(),

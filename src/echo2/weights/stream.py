@@ -47,6 +47,7 @@ ZeroMQ inbox and senders pick the transport by the scheme.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -54,6 +55,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 
@@ -158,6 +160,25 @@ def tcp_info(sock: socket.socket | None) -> TcpInfo:
     return TcpInfo(rto / 1e6, rtt / 1e6, min_rtt / 1e6, mss, cwnd, acked, sent, retrans)
 
 
+_TCP_THIN_LINEAR_TIMEOUTS = 16  # linux/tcp.h; not in Python's socket module
+_SO_MAX_PACING_RATE = 47  # asm-generic/socket.h
+_PACING_CEILING = (1 << 31) - 1  # bytes/s: no real cap; setting any value turns the kernel's pacing on
+
+
+def tune_sender(sock: socket.socket) -> None:
+    """A chunk stream's sending socket: no Nagle delay; retransmission timeouts that do not
+    back off exponentially while few segments are in flight (the tail of a chunk on a lossy
+    path, where a doubled timeout is what makes a version late); and the kernel's pacing,
+    which spreads each window over the round trip: dozens of streams of one hop starting
+    together would otherwise burst into the bottleneck's queue at once and lose together."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_THIN_LINEAR_TIMEOUTS, 1)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, _PACING_CEILING)
+
+
 def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
     return tcp_info(transport.get_extra_info("socket")).rtt_s
 
@@ -218,6 +239,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._in_place = False  # the body being read lands in its destination
         self._got = 0
         self.transport: asyncio.Transport | None = None
+        self.last_read_s = time.monotonic()
+        self.chunk_started_s = 0.0  # when the body being read began
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -258,6 +281,11 @@ class _Connection(asyncio.BufferedProtocol):
     def mid_chunk(self) -> bool:
         return self._chunk is not None
 
+    @property
+    def chunk(self) -> WeightChunk | None:
+        """The chunk whose body is being read (None between chunks)."""
+        return self._chunk
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.phase != "frames":
             # Exactly the answer's remaining bytes: nothing after it is read before admission.
@@ -274,6 +302,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._server.counters["reads"] += 1
         self._server.counters["bytes_received"] += nbytes
+        self.last_read_s = time.monotonic()
         if self._in_place:
             self._server.counters["bytes_in_place"] += nbytes  # progress is judged in these
         self._got += nbytes
@@ -329,6 +358,7 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             server.counters["chunks_in_place"] += 1
         self._chunk = WeightChunk(incarnation=incarnation, version=version, index=index, data=target)
+        self.chunk_started_s = time.monotonic()
         self._body = target.data.cast("B")
         self._got = 0
         if nbytes == 0:
@@ -481,15 +511,40 @@ class ChunkStreamServer:
         or unknown): what deadlines on this inbox's paths are scaled by."""
         return max((tcp_rtt_s(c.transport) for c in self._connections if c.transport is not None), default=0.0)
 
-    def drop_partial(self) -> int:
-        """Close every connection that is in the middle of a chunk (its place goes back
-        through ``abandon``); returns how many. For a consumer that saw no progress for a
-        while: a peer that sent a header and went quiet must not hold a place forever."""
-        stuck = [c for c in self._connections if c.mid_chunk and c.transport is not None]
+    def drop_partial(self, quiet_s: float = 0.0) -> int:
+        """Close every connection in the middle of a chunk that took no byte for
+        ``quiet_s`` (its place goes back through ``abandon``); returns how many. For a
+        consumer that saw no progress for a while: a peer that sent a header and went quiet
+        must not hold a place forever, while one still moving bytes (of this version or a
+        newer one) is left alone."""
+        now = time.monotonic()
+        stuck = [
+            c for c in self._connections if c.mid_chunk and c.transport is not None and now - c.last_read_s >= quiet_s
+        ]
         for connection in stuck:
             assert connection.transport is not None
             connection.transport.abort()
         return len(stuck)
+
+    def drop_stuck(self, key: PolicyVersion, quiet_s: float, age_s: float | None = None) -> list[int]:
+        """Close the connections in the middle of a chunk of version ``key`` that took no
+        byte for ``quiet_s``, or (``age_s``) have been on that chunk that long (their places
+        go back through ``abandon``); returns those chunks' indices."""
+        now = time.monotonic()
+        stuck = [
+            c
+            for c in self._connections
+            if c.transport is not None
+            and c.chunk is not None
+            and c.chunk.policy_version == key
+            and (now - c.last_read_s >= quiet_s or (age_s is not None and now - c.chunk_started_s >= age_s))
+        ]
+        indices = []
+        for connection in stuck:
+            assert connection.transport is not None and connection.chunk is not None
+            indices.append(connection.chunk.index)
+            connection.transport.abort()
+        return indices
 
     def close(self) -> None:
         if self._server is not None:
@@ -547,7 +602,7 @@ class ChunkStreamSender:
         sender.connect_timeout_s = 0.0
         sender.stall_timeout_s = stall_timeout_s
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_sender(sock)
         sender._sock = sock
         sender._lock = asyncio.Lock()
         sender.closed = False
@@ -643,7 +698,7 @@ class ChunkStreamSender:
         sock = socket.socket(family, kind, proto)
         try:
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_sender(sock)
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.sock_connect(sock, addr)
                 if self.credentials is not None:
