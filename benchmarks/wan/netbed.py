@@ -155,13 +155,16 @@ class Bed:
         congestion_control: str = "",
         seed: int = 0,
         nat: Mapping[str, str] | None = None,
+        sysctls: Mapping[str, str] | None = None,
     ) -> None:
         """``hosts``: name -> (address, link shape); all IPv4 addresses in one /24, all
         IPv6 ones in one /64. ``nat``: hosts behind NAT -> their private IPv4 address (a
-        /24 of its own, the router at .1)."""
+        /24 of its own, the router at .1). ``sysctls``: set in every host's namespace (a
+        host's own tuning, e.g. ``net.ipv4.tcp_slow_start_after_idle``)."""
         self.prefix = prefix
         self.switch = f"{prefix}-sw"
         self.congestion_control = congestion_control
+        self.sysctls = dict(sysctls or {})
         self.seed = seed
         self.hosts: dict[str, HostNet] = {}
         for index, (name, (address, shape)) in enumerate(hosts.items()):
@@ -272,6 +275,7 @@ class Bed:
                          "net.ipv6.conf.default.router_solicitations=0"]  # fmt: skip
         if self.congestion_control:
             settings.append(f"net.ipv4.tcp_congestion_control={self.congestion_control}")
+        settings += [f"{key}={value}" for key, value in self.sysctls.items()]
         self._exec(ns, ["sysctl", "-qw", *settings])
 
     def _nat(self, host: HostNet) -> None:

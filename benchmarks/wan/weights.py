@@ -120,11 +120,13 @@ async def member(name: str, publisher_host: str, host: str, seconds: float) -> N
         transport.close()
 
 
-def run_condition(name: str, seconds: float, interval: float, nbytes: int, mode: str) -> dict[str, Any]:
+def run_condition(
+    name: str, seconds: float, interval: float, nbytes: int, mode: str, sysctls: dict[str, str] | None = None
+) -> dict[str, Any]:
     condition = CONDITIONS[name]
     hosts = bed_hosts(TOPOLOGY, condition.edge)
     edges = [h for h in hosts if h != LEARNER_HOST]
-    with Bed(hosts, congestion_control=condition.congestion_control, seed=len(name)) as bed:
+    with Bed(hosts, congestion_control=condition.congestion_control, seed=len(name), sysctls=sysctls) as bed:
         link_before = bed.link_bytes()
         bed.relay_counters()
         cpu_before = float(bed.relay_cpu.get("cpu_s", 0.0))
@@ -198,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="relay", help="relay plan: star, relay or striped")
     parser.add_argument("--conditions", nargs="+", default=["wan50", "wan200-reno", "wan200-bbr"])
     parser.add_argument("--json", type=Path, help="results file (default: print only)")
+    parser.add_argument(
+        "--sysctl", action="append", default=[], metavar="KEY=VALUE",
+        help="set in every host namespace, e.g. net.ipv4.tcp_slow_start_after_idle=0 (the hosts' tuning)",
+    )  # fmt: skip
     parsed = parser.parse_args(args)
     if (why := available()) is not None:
         print(f"benchmarks.wan.weights: {why}", file=sys.stderr)
@@ -206,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in parsed.conditions:
         print(f"benchmarks.wan.weights: {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_condition(name, parsed.seconds, parsed.interval, int(parsed.mbytes * 1e6), parsed.mode)
+        sysctls = dict(item.split("=", 1) for item in parsed.sysctl)
+        results[name] = run_condition(name, parsed.seconds, parsed.interval, int(parsed.mbytes * 1e6), parsed.mode, sysctls)
         print(json.dumps({name: results[name]}), flush=True)
     document = {"seconds": parsed.seconds, "mbytes": parsed.mbytes, "interval_s": parsed.interval, "mode": parsed.mode,
+                "sysctls": parsed.sysctl,
                 "load_average_before": [round(x, 2) for x in load], "conditions": results}  # fmt: skip
     if parsed.json:
         parsed.json.write_text(json.dumps(document, indent=2) + "\n")

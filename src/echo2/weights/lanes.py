@@ -21,7 +21,11 @@ whole frame), "failed" (the peer is gone) or "discarded" (``discard``: a superse
 version's chunks that had not left yet). A lane whose send fails (no progress for the
 stall deadline, a reset, a refused connection) closes its connection and its chunk goes
 to another lane; once ``min(n, GONE_AFTER)`` sends in a row failed with none succeeding the
-peer counts as gone: every chunk still queued fails, and so does every later ``put``.
+peer counts as gone: every chunk still queued fails, and so does every later ``put``. A
+connection the peer closes (seen even while its lane is idle) loses the chunks its kernel
+held unacknowledged: they go out again on the other lanes (the receiver drops a stream stuck
+mid-chunk so that a repair can take its place; the chunks queued behind it on that stream
+would otherwise be lost without anyone knowing).
 Memory: chunks are views (of a snapshot or an assembly buffer), at most ``n`` queued
 beside the ``n`` being sent; ``put`` waits for room.
 
@@ -93,6 +97,9 @@ class Lanes:
         self._room: collections.deque[asyncio.Future[None]] = collections.deque()
         self._lanes: dict[int, asyncio.Task[None]] = {}
         self._senders: dict[int, ChunkSender] = {}
+        # Per lane, the chunks its connection's kernel took and the peer may not have yet:
+        # (entry, bytes written up to its end). A connection lost takes them with it.
+        self._unacked: dict[int, collections.deque[tuple[_Entry, int]]] = {}
         self._outstanding = 0  # chunks put and not yet sent, failed or discarded
         self._failures_in_row = 0
         self.failed = False
@@ -101,7 +108,9 @@ class Lanes:
         self._sending_since: dict[int, float] = {}  # lane -> when its chunk in hand was taken
         self._busy_s = 0.0  # lane-seconds with a chunk in hand, this period
         self._period_end: asyncio.TimerHandle | None = None
-        self.counters = dict.fromkeys(("sent", "failed", "discarded", "lane_failures", "lanes_opened"), 0)
+        self.counters = dict.fromkeys(
+            ("sent", "failed", "discarded", "lane_failures", "lanes_opened", "connections_lost", "requeued"), 0
+        )
 
     # -- API -------------------------------------------------------------------------
 
@@ -316,6 +325,7 @@ class Lanes:
                 if ok:
                     self._failures_in_row = 0
                     self.counters["sent"] += 1
+                    self._written(index, entry)
                     self._settle(entry, "sent")
                 else:
                     self._lane_failed(index, entry)
@@ -342,6 +352,9 @@ class Lanes:
         try:
             if sender is None or sender.closed:
                 sender = self._senders[index] = self._next_sender()
+                self._unacked[index] = collections.deque()
+                if isinstance(sender, ChunkStreamSender):
+                    sender.on_lost = lambda: self._connection_lost(index, sender)
             if isinstance(sender, ChunkStreamSender):
                 return await sender.send(chunk)  # judged by its progress
             async with asyncio.timeout(self.send_timeout_s):
@@ -349,10 +362,42 @@ class Lanes:
         except (TimeoutError, ClosedError, TransportError):
             return False
 
+    def _written(self, index: int, entry: _Entry) -> None:
+        """The kernel took ``entry``'s frame on lane ``index``: remember it until acknowledged."""
+        sender = self._senders.get(index)
+        if not isinstance(sender, ChunkStreamSender):
+            return
+        ledger = self._unacked.setdefault(index, collections.deque())
+        ledger.append((entry, sender.bytes_written))
+        acked = sender.info().bytes_acked - 1  # the SYN counts one
+        while ledger and ledger[0][1] <= acked:
+            ledger.popleft()
+
+    def _requeue_unacked(self, index: int, sender: ChunkSender | None, but: _Entry | None = None) -> None:
+        """A lane's connection is gone: what its kernel held unacknowledged goes out again on
+        another lane (its ``done`` was told "sent" already; the copy reports nothing)."""
+        ledger = self._unacked.pop(index, collections.deque())
+        acked = sender.info().bytes_acked - 1 if isinstance(sender, ChunkStreamSender) else 0
+        lost = [entry for entry, end in ledger if end > acked and entry is not but]
+        for entry in reversed(lost):
+            self.counters["requeued"] += 1
+            self._outstanding += 1
+            self._hand(_Entry(entry.chunk, None, entry.tag), first=True)
+
+    def _connection_lost(self, index: int, sender: ChunkStreamSender) -> None:
+        """The peer closed lane ``index``'s connection while the lane was idle or sending."""
+        if self._senders.get(index) is not sender or self.closed:
+            return
+        self.counters["connections_lost"] += 1
+        self._senders.pop(index)
+        self._requeue_unacked(index, sender)
+        sender.close()
+
     def _lane_failed(self, index: int, entry: _Entry) -> None:
         self.counters["lane_failures"] += 1
         self._failures_in_row += 1
         sender = self._senders.pop(index, None)
+        self._requeue_unacked(index, sender, but=entry)
         if sender is not None:
             sender.close()
         if self.dialed:

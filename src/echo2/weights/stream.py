@@ -590,6 +590,13 @@ class ChunkStreamSender:
         self.closed = False
         self.stalls = 0
         """Sends that failed for want of progress."""
+        self.bytes_written = 0
+        """Bytes the kernel took on the current connection (frames whole): compared with
+        ``TcpInfo.bytes_acked``, which chunks the peer has received."""
+        self.on_lost: Callable[[], None] | None = None
+        """Called once if the peer closes the connection (it never sends on it): the chunks
+        in the kernel not yet acknowledged are lost with it (``echo2.weights.lanes``)."""
+        self._watched: tuple[asyncio.AbstractEventLoop, int] | None = None
 
     @classmethod
     def adopted(cls, sock: socket.socket, address: str, *, stall_timeout_s: float = 5.0) -> ChunkStreamSender:
@@ -607,7 +614,40 @@ class ChunkStreamSender:
         sender._lock = asyncio.Lock()
         sender.closed = False
         sender.stalls = 0
+        sender.bytes_written = 0
+        sender.on_lost = None
+        sender._watched = None
+        sender._watch(asyncio.get_running_loop(), sock)
         return sender
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """Notice the peer closing (readable: it sends nothing else) even while idle."""
+        loop.add_reader(sock.fileno(), self._readable)
+        self._watched = (loop, sock.fileno())
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            loop, fd = self._watched
+            self._watched = None
+            with contextlib.suppress(RuntimeError):  # the loop closed first
+                loop.remove_reader(fd)
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            self._unwatch()
+            return
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # a peer has nothing to say on a chunk stream: dropped, only its close counts
+        self._unwatch()
+        if self.on_lost is not None:
+            self.on_lost()
 
     async def send_frame(self, frame: bytes) -> None:
         """Write a control frame (whole, between chunks) on this stream."""
@@ -656,6 +696,7 @@ class ChunkStreamSender:
                     sent = len(header)
                 if sent - len(header) < len(data):
                     await self._send_progressing(loop, sock, data[sent - len(header) :])
+                self.bytes_written += len(header) + len(data)
             except TimeoutError:
                 self.stalls += 1
                 self.close()
@@ -707,6 +748,8 @@ class ChunkStreamSender:
             sock.close()
             raise
         self._sock = sock
+        self.bytes_written = 0
+        self._watch(loop, sock)
         return sock
 
     async def _answer_challenge(
@@ -726,6 +769,7 @@ class ChunkStreamSender:
 
     def close(self) -> None:
         self.closed = True
+        self._unwatch()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
