@@ -1,6 +1,7 @@
 """``python -m benchmarks.wan``: the main job across 4 hosts under WAN conditions, side by side.
 
     python -m benchmarks.wan [--seconds 60] [--conditions NAME...] [--no-validate] [--json PATH]
+                             [--set KEY=VALUE ...]
 
 Needs root (network namespaces). Hosts and addresses come from ``examples/multihost.toml``:
 the learner host and three edges with one sampler each. The learner's link is never
@@ -12,6 +13,7 @@ direction). Conditions (the issue 13 floors refer to them):
   wan50         100 Mbit/s, 50 ms RTT, 0.1% loss, reno (loss-based like cubic)
   wan200-reno   100 Mbit/s, 200 ms RTT, 1% loss, reno
   wan200-bbr    the same with bbr
+  *-25mb        unshaped, wan50, wan200-reno, wan200-bbr with 25 MB versions (``large_model_dir``)
   outage        wan50 with edge-b's link down for 12 s, from 30% of --seconds after the first step
   kill          wan50 with edge-c's sampler process killed (SIGKILL) at 30%; its launcher restarts it
 
@@ -19,7 +21,8 @@ Every condition trains for ``--seconds`` (the learner's ``max_wall_s``). Before 
 emulator is validated per link shape (UDP RTT and loss, TCP goodput under the cap). Per
 condition it reports: learner idle fraction and what the capacity model predicts for the
 measured T_bcast; versions installed per sampler against those published; each edge's
-weight goodput (version bytes over publication-to-install time, median) and link bytes;
+weight goodput (version bytes over publication to complete and verified at the edge,
+median; ``arrival_goodput``: from the manifest's arrival) and link bytes;
 relay drops; repair counters (the publisher's repair bytes against the bytes missing when
 first requested, summed over samplers); every launcher's exit code and seconds after the learner's
 exit (None: had not exited ``exit_grace_s`` later, then SIGTERM); the outage's recovery;

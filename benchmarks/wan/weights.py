@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in parsed.conditions:
         print(f"benchmarks.wan.weights: {name} ...", file=sys.stderr, flush=True)
         sysctls = dict(item.split("=", 1) for item in parsed.sysctl)
-        results[name] = run_condition(name, parsed.seconds, parsed.interval, int(parsed.mbytes * 1e6), parsed.mode, sysctls)
+        results[name] = run_condition(
+            name, parsed.seconds, parsed.interval, int(parsed.mbytes * 1e6), parsed.mode, sysctls
+        )
         print(json.dumps({name: results[name]}), flush=True)
     document = {"seconds": parsed.seconds, "mbytes": parsed.mbytes, "interval_s": parsed.interval, "mode": parsed.mode,
                 "sysctls": parsed.sysctl,

@@ -45,7 +45,7 @@ from echo2.weights.chunks import (
 )
 from echo2.weights.delta import DeltaStats, delta_manifest, encode, payload_manifest
 from echo2.weights.dial import DialListener, admits, dial_address, dial_more_frame, is_dial_address
-from echo2.weights.lanes import Lanes, Outcome
+from echo2.weights.lanes import Lanes, Outcome, open_lanes
 from echo2.weights.link import LinkSpec
 from echo2.weights.pacing import OutstandingRepairs, StreamCount, chunk_bytes_for
 from echo2.weights.plan import (
@@ -53,7 +53,6 @@ from echo2.weights.plan import (
     MODES,
     NO_LINK,
     bcast_threshold,
-    chunk_sender,
     relay_plan,
 )
 from echo2.weights.seal import seal_version
@@ -106,6 +105,13 @@ stays on its stream until done, and a 1 MB one takes 13 s on a stream at 0.6 Mbi
 MAX_STREAMS = 128
 """Parallel chunk streams per member, at most (``echo2.weights.lanes``): at 200 ms and 1%
 loss, 128 reno streams carried ~71 Mbit/s of a 100 Mbit/s link in the WAN test bed."""
+
+
+def _chunk_of(key: PolicyVersion, data: np.ndarray, size: int, index: int) -> WeightChunk:
+    """Chunk ``index`` of a version's bytes cut in ``size``: a view, never a copy."""
+    return WeightChunk(
+        incarnation=key.incarnation, version=key.version, index=index, data=data[index * size : (index + 1) * size]
+    )
 
 
 class _Pending:
@@ -754,12 +760,7 @@ class WeightBroadcaster:
                     continue
                 if seed in dead:
                     return
-                chunk = WeightChunk(
-                    incarnation=manifest.incarnation,
-                    version=manifest.version,
-                    index=index,
-                    data=data[index * size : (index + 1) * size],
-                )
+                chunk = _chunk_of(manifest.policy_version, data, size, index)
                 out = chunk if self._fault is None else self._fault(seed, chunk)
                 if out is None:
                     continue
@@ -795,29 +796,18 @@ class WeightBroadcaster:
         lanes = self._lanes.get(address)
         if lanes is None or lanes.failed or lanes.closed:
             assert self._group is not None, "the broadcaster is not running"
-            count = self._counts.get(address)
-            if count is None:
-                streams = is_stream_address(address) or is_dial_address(address)
-                cap = self.max_streams if streams else 1  # a ZeroMQ PUSH: one lane
-                count = self._counts[address] = StreamCount(cap=cap)
-            credentials = StreamCredentials(self.name, member, secret) if secret else None
             self._dial_asked.pop(address, None)
-            lanes = self._lanes[address] = Lanes(
-                None
-                if is_dial_address(address)
-                else lambda: chunk_sender(
-                    self._transport,
-                    f"{self.name}.seed",
-                    address,
-                    self.chunk_bytes,
-                    credentials=credentials,
-                    connect_timeout_s=self.connect_timeout_s,
-                    stall_timeout_s=self.send_timeout_s,
-                ),
-                group=self._group,
-                count=count,
-                send_timeout_s=self.send_timeout_s,
+            lanes = self._lanes[address] = open_lanes(
+                self._transport,
+                address,
                 name=f"{self.name}->{member}",
+                group=self._group,
+                counts=self._counts,
+                max_streams=self.max_streams,
+                credentials=StreamCredentials(self.name, member, secret) if secret else None,
+                max_message_bytes=self.chunk_bytes,
+                connect_timeout_s=self.connect_timeout_s,
+                send_timeout_s=self.send_timeout_s,
             )
         return lanes
 
@@ -924,12 +914,7 @@ class WeightBroadcaster:
                 continue
             if key not in self._retained:
                 break
-            chunk = WeightChunk(
-                incarnation=key.incarnation,
-                version=key.version,
-                index=index,
-                data=data[index * size : (index + 1) * size],
-            )
+            chunk = _chunk_of(key, data, size, index)
             if stream:
                 done = self._repair_done(request.sampler_id, key, index, chunk.data.nbytes)
                 if not await self._put_chunk(

@@ -48,9 +48,11 @@ from typing import Literal
 
 from echo2.errors import ClosedError, TransportError
 from echo2.messages import WeightChunk
+from echo2.transport.context import Transport
+from echo2.weights.dial import is_dial_address
 from echo2.weights.pacing import INITIAL_WINDOW, PathSample, StreamCount
-from echo2.weights.plan import ChunkSender
-from echo2.weights.stream import ChunkStreamSender
+from echo2.weights.plan import ChunkSender, chunk_sender
+from echo2.weights.stream import ChunkStreamSender, StreamCredentials, is_stream_address
 
 log = logging.getLogger(__name__)
 
@@ -509,4 +511,42 @@ class Lanes:
             self._idle.popleft().set_result(None)
 
 
-__all__ = ["Done", "Lanes", "Outcome"]
+def open_lanes(
+    transport: Transport,
+    address: str,
+    *,
+    name: str,
+    group: asyncio.TaskGroup,
+    counts: dict[str, StreamCount],
+    max_streams: int,
+    credentials: StreamCredentials | None,
+    max_message_bytes: int,
+    connect_timeout_s: float,
+    send_timeout_s: float,
+) -> Lanes:
+    """Lanes to the inbox at ``address``, by its scheme: chunk streams (up to
+    ``max_streams``), a member's dialed connections (``adopt``), or a ZeroMQ PUSH (one
+    lane). The stream count lives in ``counts`` by address, so lanes opened again after a
+    failure start from what was learned."""
+    count = counts.get(address)
+    if count is None:
+        streams = is_stream_address(address) or is_dial_address(address)
+        count = counts[address] = StreamCount(cap=max_streams if streams else 1)
+    if is_dial_address(address):
+        return Lanes(None, group=group, count=count, send_timeout_s=send_timeout_s, name=name)
+
+    def open_sender() -> ChunkSender:
+        return chunk_sender(
+            transport,
+            name,
+            address,
+            max_message_bytes,
+            credentials=credentials,
+            connect_timeout_s=connect_timeout_s,
+            stall_timeout_s=send_timeout_s,
+        )
+
+    return Lanes(open_sender, group=group, count=count, send_timeout_s=send_timeout_s, name=name)
+
+
+__all__ = ["Done", "Lanes", "Outcome", "open_lanes"]

@@ -42,7 +42,7 @@ from echo2.weights.chunks import (
 )
 from echo2.weights.delta import DeltaError, base_of, decode, payload_manifest
 from echo2.weights.dial import Dialer, dial_address
-from echo2.weights.lanes import Lanes, Outcome
+from echo2.weights.lanes import Lanes, Outcome, open_lanes
 from echo2.weights.link import DelayLine, LinkSpec
 from echo2.weights.pacing import (
     DEFAULT_MAX_OUTSTANDING_BYTES,
@@ -59,7 +59,6 @@ from echo2.weights.plan import (
     NO_LINK,
     RELAY_HWM,
     announce_url,
-    chunk_sender,
     max_message_bytes,
     relay_bind_url,
 )
@@ -69,7 +68,6 @@ from echo2.weights.stream import SCHEME as STREAM_SCHEME
 from echo2.weights.stream import (
     ChunkStreamServer,
     StreamCredentials,
-    is_stream_address,
     listen,
     stream_mac,
 )
@@ -914,24 +912,17 @@ class WeightReceiver:
                 if plan is not None and plan.stream_secret and successor
                 else None
             )
-            count = self._counts.get(address)
-            if count is None:
-                cap = self.max_streams if is_stream_address(address) else 1  # a ZeroMQ PUSH: one lane
-                count = self._counts[address] = StreamCount(cap=cap)
-            lanes = self._lanes[address] = Lanes(
-                lambda: chunk_sender(
-                    self._transport,
-                    f"{self.name}.relay",
-                    address,
-                    64 << 20,
-                    credentials=credentials,
-                    connect_timeout_s=self.connect_timeout_s,
-                    stall_timeout_s=self.send_timeout_s,
-                ),
-                group=self._group,
-                count=count,
-                send_timeout_s=self.send_timeout_s,
+            lanes = self._lanes[address] = open_lanes(
+                self._transport,
+                address,
                 name=f"{self.name}->{successor or address}",
+                group=self._group,
+                counts=self._counts,
+                max_streams=self.max_streams,
+                credentials=credentials,
+                max_message_bytes=64 << 20,
+                connect_timeout_s=self.connect_timeout_s,
+                send_timeout_s=self.send_timeout_s,
             )
         return lanes
 
