@@ -557,6 +557,12 @@ async def test_a_member_that_accepts_no_connection_dials_and_gets_every_version(
             assert equal_to(h.complete["natted"][-1], snap)
         assert h.broadcaster.dial_listener.counters["dialed"] >= 1
         assert h.broadcaster.streams_to("natted") >= 1
+        # The publisher wants more streams to it than it dialed: it asks, the member dials them.
+        h.broadcaster._counts["dial://natted"].n = 3
+        h.broadcaster.publish_nowait(snapshot(3))
+        await h.wait_complete(["natted"], 3)
+        assert natted._dialer is not None
+        await until(lambda: natted._dialer is not None and natted._dialer.connections >= 3, what="3 dialed streams")
         chains = h.broadcaster._latest_plan.chains if h.broadcaster._latest_plan else []
         assert [c.members for c in chains if "natted" in c.members] == [["natted"]]  # fed directly
         assert natted.statistics()["stream_bytes_received"] > 0
