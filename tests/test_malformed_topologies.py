@@ -542,6 +542,39 @@ CASES = [
         "actors.sampler.config.goodbye_timeout_s",
         ">= 0",
     ),
+    ("bind-not-an-address", add('[hosts.local]\nbind = "eth0"\n'), "hosts.local.bind", "not an IP address"),
+    (
+        "bind-family",
+        lambda t: two_hosts(t).replace('address = "10.1.2.3"', 'address = "10.1.2.3"\nbind = "fd00::3"'),
+        "hosts.b.bind",
+        "is IPv6 but address",
+    ),
+    (
+        "inbound-binder",
+        lambda t: (
+            two_hosts(t)
+            .replace('address = "10.1.2.3"', 'address = "127.0.0.1"\nport_base = 29000\ninbound = false')
+            .replace('kind = "buffer"\nprocess = "data"', 'kind = "buffer"\nprocess = "sampler-{i}"')
+        ),
+        "hosts.b.inbound",
+        "accepts no inbound connection",
+    ),
+    ("inbound-typo", add('[hosts.local]\ninbound = "no"\n'), "hosts.local.inbound", "Expected `bool`"),
+    (
+        "weights-streams-zero",
+        sub(
+            'config = { engine = "torch", credits = 4 }',
+            'config = { engine = "torch", credits = 4, weights_max_streams = 0 }',
+        ),
+        "actors.sampler.config.weights_max_streams",
+        ">= 1",
+    ),
+    (
+        "publisher-streams-too-many",
+        sub('config = { mode = "relay" }', 'config = { mode = "relay", max_streams = 5000 }'),
+        "actors.weight_publisher.config.max_streams",
+        "<= 1024",
+    ),
 ]
 
 

@@ -26,6 +26,7 @@ from echo2.topology import (
     torch_threads,
     validate,
 )
+from echo2.topology.addresses import INBOX
 
 SMOKE = """
 [run]
@@ -348,6 +349,64 @@ def test_binder_with_mixed_connectors_binds_every_medium() -> None:
     assert derived.ports["near"]["out"].connect == ("inproc://echo2-r1/sink/in",)
     assert derived.ports["local"]["out"].connect == ("ipc:///tmp/echo2-r1/sink.in",)
     assert derived.ports["far"]["out"].connect == ("tcp://10.0.0.1:5000",)
+
+
+WEIGHTS_PUB = {"weights": Port("router", bind=True)}
+WEIGHTS_SUB = {"weights": Port("dealer", bind=False)}
+
+
+def test_relay_inboxes_take_fixed_ports_after_the_hosts_binders_and_listen_on_bind() -> None:
+    hosts = {
+        "a": HostSpec(address="10.0.0.1", port_base=5000),
+        "b": HostSpec(address="203.0.113.7", bind="192.168.1.5", port_base=6000),  # NAT, ports forwarded
+        "c": HostSpec(address="2001:db8::3", port_base=7000),
+    }
+    places = [
+        Placement("pub", "p", "a", WEIGHTS_PUB),
+        Placement("s-b2", "q", "b", WEIGHTS_SUB),
+        Placement("s-b1", "q", "b", {**WEIGHTS_SUB, **PULL}),
+        Placement("s-c", "r", "c", WEIGHTS_SUB),
+        Placement("src", "p", "a", PUSH),
+    ]
+    derived = derive_addresses(places, hosts, "r1")
+    # Host b: its binder first, then the inboxes by actor name; never an ephemeral port.
+    assert derived.tcp_ports[("s-b1", "in")] == 6000
+    assert (derived.tcp_ports[("s-b1", INBOX)], derived.tcp_ports[("s-b2", INBOX)]) == (6001, 6002)
+    b1 = derived.ports["s-b1"]["weights"]
+    assert (b1.stream_bind, b1.stream_announce) == ("tcp://192.168.1.5:6001", "tcp://203.0.113.7:6001")
+    assert derived.ports["s-b1"]["in"].bind == ("tcp://192.168.1.5:6000",)
+    assert derived.ports["src"]["out"].connect == ("tcp://203.0.113.7:6000",)
+    c = derived.ports["s-c"]["weights"]  # IPv6: brackets, and every interface is [::]
+    assert (c.stream_bind, c.stream_announce) == ("tcp://[::]:7000", "tcp://[2001:db8::3]:7000")
+    assert derived.ports["s-c"]["weights"].connect == ("tcp://10.0.0.1:5000",)
+    assert ("pub", INBOX) not in derived.tcp_ports  # nobody dials: the publisher needs no listener
+
+
+def test_a_host_that_accepts_no_connection_dials_the_publisher() -> None:
+    hosts = {**HOSTS, "n": HostSpec(address="10.0.0.9", inbound=False, port_base=7000)}
+    places = [Placement("pub", "p", "a", WEIGHTS_PUB), Placement("s-n", "q", "n", WEIGHTS_SUB)]
+    derived = derive_addresses(places, hosts, "r1")
+    assert ("s-n", INBOX) not in derived.tcp_ports
+    assert derived.tcp_ports[("pub", INBOX)] == 5001  # after the publisher's own binder (5000)
+    assert derived.ports["s-n"]["weights"].stream_dial == ("tcp://10.0.0.1:5001",)
+    assert derived.ports["pub"]["weights"].stream_bind == "tcp://*:5001"
+    # Nothing other hosts connect to may run behind it.
+    with pytest.raises(ConfigError, match="accepts no inbound connection") as info:
+        derive_addresses([Placement("sink", "p", "n", PULL), Placement("src", "q", "a", PUSH)], hosts, "r1")
+    assert info.value.path == "hosts.n.inbound"
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        (HostSpec(address="10.0.0.1", bind="eth0"), "is not an IP address"),
+        (HostSpec(address="10.0.0.1", bind="::1"), "is IPv6 but address '10.0.0.1' is IPv4"),
+    ],
+)
+def test_a_bind_that_is_not_an_interface_address_is_refused(spec: HostSpec, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as info:
+        derive_addresses([Placement("sink", "p", "x", PULL)], {"x": spec}, "r1")
+    assert info.value.path == "hosts.x.bind"
 
 
 def test_binder_without_connectors_still_binds_inproc() -> None:

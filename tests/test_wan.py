@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository root
 from benchmarks.wan import netbed  # noqa: E402
 from benchmarks.wan.bench import TOPOLOGY, bed_hosts, job_overrides  # noqa: E402
 from benchmarks.wan.job import JobResult, run_job  # noqa: E402
-from benchmarks.wan.netbed import Bed, LinkShape  # noqa: E402
+from benchmarks.wan.netbed import Bed, LinkShape, nat_available  # noqa: E402
 from benchmarks.wan.probe import validate  # noqa: E402
 
 PREFIX = "e2wantest"
@@ -158,3 +158,48 @@ def test_a_sampler_whose_link_drops_for_12_s_trains_again_after_it_returns(tmp_p
     assert after, "sampler-b delivered nothing after its link returned"
     assert run.audit["exit_code"] == 0, run.audit
     assert all(code == 0 for code in run.exit_codes.values()), run.exit_codes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(nat_available() is not None, reason=nat_available() or "")
+def test_a_sampler_behind_nat_dials_for_its_weights_and_trains(tmp_path: Path) -> None:
+    """edge-b sits behind a masquerading router that lets no connection in (its host says
+    ``inbound = false``): its sampler dials the publisher, installs versions and delivers
+    work, while edge-a takes its chunks on its relay inbox's fixed port."""
+    hosts = bed_hosts(TOPOLOGY, LinkShape(rate_mbit=100, delay_ms=10), ["learner", "edge-a", "edge-b"])
+    overrides = [*job_overrides(30.0), "actors.learner.config.max_steps=12", "hosts.edge-b.inbound=false"]
+    with Bed(hosts, prefix=PREFIX, nat={"edge-b": "192.168.77.2"}) as bed:
+        run = run_job(
+            bed, TOPOLOGY, tmp_path / "job", learner_host="learner", overrides=overrides,
+            exit_grace_s=10.0, timeout_s=200.0,
+        )  # fmt: skip
+    assert run.exit_codes["learner"] == 0, run.run_dirs["learner"]
+    assert run.summary["steps"] == 12
+    assert max(run.installs.get("sampler-b", [-1])) > 0, "the sampler behind NAT installed no trained version"
+    assert any(e["sampler"] == "sampler-b" for e in run.accepted), "the sampler behind NAT delivered nothing"
+    assert run.stats["weight_publisher"]["dialed_streams"] >= 1
+    assert run.audit["exit_code"] == 0, run.audit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_example_trains_over_ipv6(tmp_path: Path) -> None:
+    addresses = {"learner": "fd77::1", "edge-a": "fd77::2"}
+    hosts = {name: (address, LinkShape() if name == "learner" else LinkShape(rate_mbit=100, delay_ms=10))
+             for name, address in addresses.items()}  # fmt: skip
+    overrides = [
+        *job_overrides(90.0),
+        "actors.learner.config.max_steps=6",
+        *(f'hosts.{name}.address="{address}"' for name, address in addresses.items()),
+    ]
+    with Bed(hosts, prefix=PREFIX) as bed:
+        run = run_job(
+            bed, TOPOLOGY, tmp_path / "job", learner_host="learner", overrides=overrides,
+            exit_grace_s=10.0, timeout_s=200.0,
+        )  # fmt: skip
+    assert run.exit_codes["learner"] == 0, run.run_dirs["learner"]
+    assert run.summary["steps"] == 6
+    assert max(run.installs.get("sampler-a", [-1])) > 0
+    assert run.link_bytes["edge-a"]["rx_bytes"] >= run.broadcasts[0]["bytes"], "weights crossed no link"
+    assert run.audit["exit_code"] == 0, run.audit

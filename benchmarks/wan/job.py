@@ -69,6 +69,9 @@ class JobResult:
     """Sampler -> versions it installed, in order."""
     install_times: dict[str, list[tuple[int, float]]]
     """Sampler -> (version, unix seconds it was installed), in order."""
+    arrivals: dict[str, list[tuple[int, float, float]]]
+    """Sampler -> (version, seconds from its manifest to complete, unix seconds it was
+    complete), in order; zeros where the sampler did not measure."""
     published: list[int]
     """Versions the publisher broadcast (its ``broadcast`` records), in order."""
     broadcasts: list[dict[str, Any]]
@@ -78,6 +81,9 @@ class JobResult:
     trained: list[dict[str, Any]]
     link_bytes: dict[str, dict[str, int]]
     relay: dict[str, dict[str, int]]
+    relay_cpu_s: float
+    """CPU seconds the emulator's relay spent during the job (``realtime``: under SCHED_RR)."""
+    relay_realtime: bool
     stats: dict[str, dict[str, Any]]
     """Last statistics record of each sampler and publisher (the observer's)."""
     outage: dict[str, Any] | None
@@ -105,6 +111,7 @@ def run_job(
     outputs = {}
     before = bed.link_bytes()
     relay_before = bed.relay_counters()
+    relay_cpu_before = float(bed.relay_cpu.get("cpu_s", 0.0))
     started = time.monotonic()
     run_name = tomllib.loads(topology.read_text()).get("run", {}).get("name", "echo2")
     for host in hosts:
@@ -154,6 +161,8 @@ def run_job(
         exit_after=exit_after,
         link_bytes={h: {k: after[h][k] - before[h][k] for k in after[h]} for h in after},
         relay={h: {k: relay_after[h][k] - relay_before[h][k] for k in relay_after[h]} for h in relay_after},
+        relay_cpu_s=round(float(bed.relay_cpu.get("cpu_s", 0.0)) - relay_cpu_before, 2),
+        relay_realtime=bool(bed.relay_cpu.get("realtime", False)),
         outage=outage_times,
         wall_s=wall_s,
     )
@@ -239,6 +248,8 @@ def _collect(
     exit_after: dict[str, float | None],
     link_bytes: dict[str, dict[str, int]],
     relay: dict[str, dict[str, int]],
+    relay_cpu_s: float,
+    relay_realtime: bool,
     outage: dict[str, Any] | None,
     wall_s: float,
 ) -> JobResult:
@@ -247,11 +258,18 @@ def _collect(
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     installs: dict[str, list[int]] = {}
     install_times: dict[str, list[tuple[int, float]]] = {}
+    arrivals: dict[str, list[tuple[int, float, float]]] = {}
     stats: dict[str, dict[str, Any]] = {}
     for record in learner_run.metrics(OBSERVER):
         if record["kind"] == "install":
             installs.setdefault(record["sampler"], []).append(int(record["version"]))
             install_times.setdefault(record["sampler"], []).append((int(record["version"]), float(record["unix_s"])))
+            arrival = (
+                int(record["version"]),
+                float(record.get("received_s", 0.0)),
+                float(record.get("complete_unix_s", 0.0)),
+            )
+            arrivals.setdefault(record["sampler"], []).append(arrival)
         elif record["kind"] == "stats":
             stats[record["actor"]] = record
     broadcasts = [r for run in run_dirs.values() for r in RunDir(run).all_metrics("broadcast")]
@@ -266,6 +284,7 @@ def _collect(
         summary=summary,
         installs=installs,
         install_times=install_times,
+        arrivals=arrivals,
         published=[int(b["version"]) for b in broadcasts],
         broadcasts=broadcasts,
         step_unix_s={int(r["step"]): float(r["unix_s"]) for r in steps},
@@ -273,6 +292,8 @@ def _collect(
         trained=trained,
         link_bytes=link_bytes,
         relay=relay,
+        relay_cpu_s=relay_cpu_s,
+        relay_realtime=relay_realtime,
         stats=stats,
         outage=outage,
         audit=_audit(list(run_dirs.values())),

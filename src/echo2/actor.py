@@ -80,6 +80,16 @@ class PortAddresses(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     curve_clients: tuple[str, ...] = ()
     """A CURVE server's admitted clients: the hosts whose keys may connect; () admits every
     allowed key (a port that untrusted workers use, ``Actor.trusted``)."""
+    stream_bind: str = ""
+    """A chunk-stream listener the actor opens beside this port (``echo2.weights.stream``:
+    a sampler's relay inbox, the weight publisher's dial-in listener): the tcp URL it
+    binds, a fixed port of its host's range; "" none, or an ephemeral port."""
+    stream_announce: str = ""
+    """The tcp URL peers on other hosts reach ``stream_bind`` at (its host's ``address``)."""
+    stream_dial: tuple[str, ...] = ()
+    """Per connect URL, the binder's chunk-stream listener to dial: set when this actor's
+    host accepts no inbound connection (``[hosts] inbound = false``), so its chunks come
+    down connections it opens."""
 
 
 class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -195,6 +205,10 @@ class ActorContext:
         """Under ``[security]`` (CURVE on): weight versions are sealed and chunk streams
         admit only the plan's members (``echo2.weights.seal``, ``echo2.weights.stream``)."""
         return self._curve is not None
+
+    def addresses(self, port: str) -> PortAddresses:
+        """The resolved addresses of a declared port (empty ones where none were derived)."""
+        return self._ports.get(port, PortAddresses())
 
     def has_peers(self, port: str) -> bool:
         addresses = self._ports.get(port)

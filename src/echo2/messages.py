@@ -31,6 +31,9 @@ PROTOCOL_VERSION = 1
 # -- protocol constants ------------------------------------------------------------------
 
 TELEMETRY_CHANNEL = "telemetry"
+WEIGHTS_CHANNEL = "weights"
+"""The channel weight receivers (DEALER) and the weight publisher (ROUTER) meet on; its
+members also reach each other's chunk-stream listeners (``PortAddresses.stream_bind``)."""
 """The channel every process publishes heartbeats on (PUB -> the SUB that binds it)."""
 HEARTBEAT_TOPIC = b"hb|"
 """Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
@@ -261,6 +264,9 @@ class JoinPort(msgspec.Struct, frozen=True, kw_only=True):
 
     connect: list[str] = []
     curve_servers: list[str] = []
+    stream_dial: list[str] = []
+    """Per connect URL, the chunk-stream listener to dial for weights (the ``weights``
+    port: a joined sampler receives weights over connections it opens)."""
 
 
 class JoinInfo(Message, frozen=True):
@@ -358,6 +364,10 @@ class SamplerStats(Statistics, frozen=True):
     """Work states sent (``WorkRequest`` with ``max_leases``: ``echo2.actors.work_state``)."""
     work_restates_for_loss: int = 0
     """Of those, sent at once because leases a grant said were on their way never came."""
+    weight_versions_finished: int = 0
+    """Versions finished before a newer one that arrived meanwhile (``WeightReceiver``)."""
+    weight_versions_abandoned: int = 0
+    """Versions given up while finishing them (the publisher had moved on)."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""
@@ -496,6 +506,10 @@ class PublisherStats(Statistics, frozen=True):
     delta_dense_requests: int = 0
     """Members that asked for the dense form of a delta version (base lost, rebuild failed)."""
     members: int = 0
+    dialed_streams: int = 0
+    """Chunk-stream connections dialed in by members that accept none (``echo2.weights.dial``)."""
+    max_streams: int = 0
+    """Most parallel chunk streams open to one member now (``echo2.weights.lanes``)."""
     uplink_bytes: int = 0
     latest_version: int = -1
     t_bcast_s: float = -1.0
@@ -1057,6 +1071,12 @@ class WeightsInstalled(Message, _Versioned, frozen=True):
     version: int
     install_s: float
     time_s: float
+    received_s: float = 0.0
+    """Seconds from the version's manifest reaching the sampler to every chunk held and
+    verified: its transfer, chain and repair included (0: not measured)."""
+    complete_time_s: float = 0.0
+    """Unix time the version was complete and verified there, before it waited for the
+    sampler's generation batch to end (0: not measured)."""
 
 
 class WeightSubscribe(Message, frozen=True):

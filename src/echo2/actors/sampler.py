@@ -86,7 +86,6 @@ from echo2.messages import (
     SamplerStats,
     SayHello,
     TaskLease,
-    WeightsInstalled,
     Welcome,
     WorkGrant,
 )
@@ -160,6 +159,9 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Seconds to open a chunk stream to the next member."""
     weights_repair_window_bytes: Annotated[int, Meta(gt=0)] = 4 << 20
     """Repair bytes this sampler may have requested and not yet received."""
+    weights_max_streams: Annotated[int, Meta(ge=1, le=1024)] = 128
+    """Parallel TCP streams, at most, to the next member of a relay chain (and dialed to the
+    publisher from a host with ``inbound = false``); the number used adapts to the path."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
     environment_threads: Annotated[int, Meta(ge=1)] = 64
@@ -214,6 +216,7 @@ class Sampler(Actor):
         self._tasks = ctx.open("tasks", identity=connection_routing_id(self.name))
         self._rollouts = ctx.open("rollouts")
         self._weights = ctx.open("weights", identity=connection_routing_id(self.name))
+        inbox = ctx.addresses("weights")  # where the relay inbox listens, or whom to dial
         self._receiver = WeightReceiver(
             ctx.transport,
             self._weights,
@@ -229,6 +232,11 @@ class Sampler(Actor):
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
             sealed=ctx.sealed_weights,
+            finish_within=self.job.staleness,
+            max_streams=self.config.weights_max_streams,
+            relay_bind=inbox.stream_bind,
+            relay_announce=inbox.stream_announce,
+            dial=inbox.stream_dial[0] if inbox.stream_dial else "",
         )
         self._receiver.open()
         self._episodes: _Episodes | None = None
@@ -333,6 +341,8 @@ class Sampler(Actor):
             weight_forward_failures=int(received.get("forward_failures", 0)),
             work_states=work.states_sent if work is not None else 0,
             work_restates_for_loss=work.restates_for_loss if work is not None else 0,
+            weight_versions_finished=int(received.get("versions_finished", 0)),
+            weight_versions_abandoned=int(received.get("versions_abandoned", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
             env_stuck_threads=self._episodes.calls.stuck if self._episodes is not None else 0,
             generate_s=self.generate_s,
@@ -488,19 +498,10 @@ class Sampler(Actor):
         self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
-        await self._receiver.report_installed(installed, install_s)
+        report = await self._receiver.report_installed(installed, install_s)
         if self._welcomed:
             await self._state_work()  # the PromptSource may lease to us now
-        await self.ctx.publish_telemetry(
-            INSTALLED_TOPIC,
-            WeightsInstalled(
-                sampler_id=self.name,
-                incarnation=installed.incarnation,
-                version=installed.version,
-                install_s=install_s,
-                time_s=time.time(),
-            ),
-        )
+        await self.ctx.publish_telemetry(INSTALLED_TOPIC, report)
 
     async def _fill_batch(self) -> None:
         """Give leases already granted up to ``batch_wait_s`` to arrive (see the config)."""

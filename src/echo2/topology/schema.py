@@ -117,8 +117,16 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """``[hosts.NAME]``: a machine. Processes on other hosts reach it at ``address``."""
 
     address: str = "127.0.0.1"
-    """Hostname, DNS name or IP address at which processes on other hosts reach this one, or
+    """Hostname, DNS name or IP address (IPv4 or IPv6) at which processes on other hosts reach
+    this one: the address it advertises, which behind NAT is the router's public one. Or
     ``"env:VAR"``: the value of the environment variable ``VAR`` where each launcher starts."""
+    bind: str = ""
+    """IP address of this host's own interface its tcp endpoints listen on ("": every
+    interface); behind NAT with forwarded ports, the private address ``address`` maps to."""
+    inbound: bool = True
+    """False: this host accepts no connection from other hosts (NAT or a firewall with no
+    forwarded ports). Its samplers then receive weights over connections they open to the
+    weight publisher; an actor that other hosts connect to cannot run here."""
     port_base: Annotated[int, Meta(ge=1024, le=65535)] = 28100
     """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
     ports below 1024 are for services run as root. The default lies below Linux's ephemeral

@@ -3,7 +3,9 @@
 The subsystem, by module: ``chunks`` (snapshots, manifests, digests, assembly), ``plan``
 (relay plans, placement by measurement, and addresses), ``broadcaster`` (publisher side), ``receiver`` (sampler side),
 ``stream`` (chunk streams: bytes straight into place; under ``[security]`` inboxes admit
-only the plan's senders), ``pacing`` (deadlines from measured rate and RTT, repair pacing), ``delta`` (a version coded
+only the plan's senders), ``lanes`` (a hop over parallel chunk streams), ``dial`` (chunk
+streams a member behind NAT opens to the publisher), ``pacing`` (deadlines from measured
+rate and RTT, repair pacing, how many streams a hop uses and the chunk size that follows), ``delta`` (a version coded
 as its changes from a base the member holds), ``seal`` (under ``[security]``: versions encrypted once at the
 publisher, opened once per member), ``shm`` (shared memory on one host), ``signing``
 (Ed25519 manifests), ``link`` (link emulation: caps and latency).
@@ -42,6 +44,22 @@ Two components on top of the pure chunk layer (``echo2.weights.chunks``):
   member's chunk stream when it has one (else on the control channel), one worker per
   member, and drops indices still queued for that member. Repaired chunks are forwarded
   too, so a chain heals behind a dead relay.
+
+Paths that one TCP stream cannot fill (``echo2.weights.lanes``, ``echo2.weights.pacing``):
+every hop (publisher to seed, member to successor, repairs) sends over up to
+``max_streams`` parallel chunk streams, one at first, more while the kernel's measurements
+(retransmissions without a standing queue, each stream within a few times its Mathis
+share) say loss holds each stream back, fewer when a queue stands or more bought nothing;
+the publisher feeds each seed at its own pace. Each version is cut into chunks of at most
+half a second of one stream's rate (256 KB while a member's path is unknown). A
+connection the peer closes gives back the chunks its kernel held unacknowledged. A
+member drops a stream stuck mid-chunk (quiet for max(K x RTT, ``gap_timeout_s`` / 2), or
+among the version's last chunks on it for 2 x ``gap_timeout_s``) and repairs that chunk
+on the publisher's other streams. A member that holds half a version when a newer one
+arrives finishes it first if it is fewer than ``finish_within`` (the job's staleness)
+versions older; the publisher keeps that version for its repairs. A member that accepts
+no inbound connection (``[hosts] inbound = false``) dials the publisher, which sends its
+chunks down those connections (``echo2.weights.dial``).
 
 Nothing is lost silently: PUSH and ROUTER sends block at the high-water mark instead of
 dropping, a chunk stream that takes no byte for ``send_timeout_s`` (a ZeroMQ send that
