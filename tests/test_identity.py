@@ -113,6 +113,9 @@ _SERVER = textwrap.dedent(
                         continue
                     if isinstance(message, Hello) and message.peer_id == "done":
                         await router.send(peer, Welcome(server_id="done", accepted=True))
+                        # A graceful exit: leaving the block closes with linger 0, which
+                        # discards the Welcome if the io thread has not written it yet.
+                        transport.close(linger_ms=10_000)
                         return
                     for _ in range(64):
                         await router.send(peer, chunk)

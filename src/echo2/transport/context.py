@@ -173,6 +173,8 @@ class Transport:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        # An abort (linger 0): what is still queued is dropped. After a last reply, call
+        # close(linger_ms) first (ProcessRuntime does on a graceful exit).
         self.close()
 
 
