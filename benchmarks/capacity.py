@@ -46,7 +46,7 @@ KNEE_RISE = 0.05
 """The knee: the smallest pool whose bubble stays within 5 points of the ample pool's (and
 below 5% anyway). With S = 1 the learner idles ~4-6% even with an ample pool (each step
 waits for the new version), so a bare 5% threshold would sit on that plateau's noise."""
-PER_PROCESS = 4  # asyncio's default thread pool runs each engine call: cpu_count + 4 threads
+PER_PROCESS = 4  # samplers per process (each engine call runs on its own thread: echo2.engines.base)
 
 G = 4  # group size
 MAX_NEW_TOKENS = 5

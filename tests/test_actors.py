@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,9 +53,20 @@ def _addresses(actor: Actor, prefix: str) -> dict[str, PortAddresses]:
 
 
 @contextlib.asynccontextmanager
-async def running(actor: Actor, transport: Transport) -> AsyncIterator[str]:
+async def running(
+    actor: Actor, transport: Transport, run_dir: Path | None = None, resume: bool = False
+) -> AsyncIterator[str]:
+    """``actor`` running alone (in ``run_dir``, as a ``--resume`` if ``resume``); yields the
+    prefix of its inproc addresses."""
     prefix = f"t-{actor.name}-{id(actor):x}"
-    runtime = ProcessRuntime([actor], {actor.name: _addresses(actor, prefix)}, transport=transport, drain_timeout_s=2.0)
+    runtime = ProcessRuntime(
+        [actor],
+        {actor.name: _addresses(actor, prefix)},
+        transport=transport,
+        run_dir=run_dir,
+        resume=resume,
+        drain_timeout_s=2.0,
+    )
     async with asyncio.TaskGroup() as group:
         group.create_task(runtime.run())
         await runtime.wait_ready()
@@ -357,11 +369,12 @@ def _bare_sampler(**config: object):  # type: ignore[no-untyped-def]
     from collections import deque
 
     from echo2.actors.sampler import Sampler, SamplerConfig
+    from echo2.actors.work_state import SamplerWork
 
     sampler = Sampler("s", SamplerConfig(engine="simulated", **config), JobConfig())
     sampler._leases, sampler._revoked = deque(), set()
     sampler._lease_arrived, sampler._have_work = asyncio.Event(), asyncio.Event()
-    sampler._owed = 0
+    sampler._work = SamplerWork("s", sampler.config.credits, sampler.config.restate_s)
     return sampler
 
 
@@ -372,13 +385,13 @@ def _lease(i: int) -> TaskLease:
 async def test_sampler_waits_for_granted_leases_to_fill_a_batch() -> None:
     sampler = _bare_sampler(max_batch_groups=4, batch_wait_s=30.0)  # the wait is a hang guard
     sampler._leases.append(_lease(0))
-    sampler._owed = 3
+    sampler._work.owed = 3
     filling = asyncio.ensure_future(sampler._fill_batch())
     for i in (1, 2, 3):
         await asyncio.sleep(0)
         assert not filling.done()  # still short of a full batch, more are owed
         sampler._leases.append(_lease(i))
-        sampler._owed -= 1
+        sampler._work.received(i)
         sampler._lease_arrived.set()
     await asyncio.wait_for(filling, 5)
     assert [lease.lease_id for lease in sampler._take_batch()] == [0, 1, 2, 3]
@@ -393,11 +406,11 @@ async def test_sampler_does_not_wait_for_leases_it_was_not_granted() -> None:
 
 async def test_sampler_batch_wait_is_bounded_and_off_by_default() -> None:
     unbounded = _bare_sampler(max_batch_groups=4)  # batch_wait_s = 0: never waits
-    unbounded._owed = 3
+    unbounded._work.owed = 3
     await asyncio.wait_for(unbounded._fill_batch(), 5)
     late = _bare_sampler(max_batch_groups=4, batch_wait_s=0.01)  # owed leases never come
     late._leases.append(_lease(0))
-    late._owed = 3
+    late._work.owed = 3
     await asyncio.wait_for(late._fill_batch(), 5)
     assert [lease.lease_id for lease in late._take_batch()] == [0]
 

@@ -44,7 +44,9 @@ def _trained(task: str, version: int, learner_version: int, incarnation: int = 0
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     RunDir(tmp_path).topology_path.write_text(json.dumps({"job": {"staleness": 2}}))
-    _write(tmp_path, "ps", [ledger.Leased(task=f"t{i}", lease=i, attempt=0, sampler="s0") for i in range(6)])
+    leases = [ledger.Leased(task=f"t{i}", lease=i, attempt=0, sampler="s0") for i in range(6)]
+    # t2's group came late: its lease had expired, and the run stopped before its re-issue.
+    _write(tmp_path, "ps", [*leases, ledger.Outstanding(task="t2", attempt=1)])
     _write(
         tmp_path,
         "buf",
@@ -79,6 +81,8 @@ def test_clean_ledger_passes_and_counts_in_flight_work(run: Path) -> None:
     ("events", "violation"),
     [
         ([ledger.Accepted(task="t5", lease=5, version=1, sampler="s0")], "lost"),
+        ([ledger.Leased(task="t7", lease=7, attempt=0, sampler="s1")], "unresolved"),
+        ([ledger.Accepted(task="t0", lease=10, version=0, sampler="s0")], "accepted_twice"),
         ([_trained("t0", 0, 2)], "duplicated"),
         ([_trained("zz", 1, 2)], "unexpected"),
         ([_trained("t4", 1, 4)], "stale_trained"),
@@ -99,6 +103,17 @@ def test_a_line_cut_by_sigkill_is_skipped_and_no_ledger_is_exit_2(run: Path, tmp
     report = audit([run])
     assert report.ok and report.unreadable_lines == []
     assert main([str(tmp_path_factory.mktemp("empty"))]) == 2
+
+
+def test_a_host_whose_run_directory_has_no_ledger_is_reported_not_refused(run: Path, tmp_path_factory, capsys) -> None:
+    """An edge host whose sampler never got work writes no ledger: the audit of all hosts
+    lists it and reconciles the others (before: exit 2, and no audit at all)."""
+    edge = tmp_path_factory.mktemp("edge")
+    RunDir(edge).topology_path.write_text("{}")
+    report = audit([run, edge])
+    assert report.ok and report.without_ledger == [str(edge)] and report.accepted == 4
+    assert main([str(run), str(edge)]) == 0
+    assert f"run directories without a ledger: {edge}" in capsys.readouterr().out
 
 
 def test_a_resumed_learner_voids_what_its_predecessor_trained_after_the_checkpoint(run: Path) -> None:
@@ -235,3 +250,42 @@ def test_the_report_lists_quarantined_samplers_and_refusals(run: Path) -> None:
         "quarantined `evil`: 8 rejected groups in 60 s",
         "refused from `evil`: 2 groups (too_long 2)",
     ]
+
+
+def test_a_lost_task_and_a_task_accepted_twice_are_named_with_their_samplers(run: Path, capsys) -> None:
+    _write(
+        run,
+        "ps2",
+        [
+            # Leased, its lease expired, never re-issued: the task vanished.
+            ledger.Leased(task="t7", lease=7, attempt=0, sampler="s1"),
+            ledger.LeaseClosed(task="t7", lease=7, outcome="expired"),
+            # A second group of t1 stored on a re-issued lease.
+            ledger.Leased(task="t1", lease=11, attempt=1, sampler="s2"),
+        ],
+    )
+    _write(run, "buf2", [ledger.Accepted(task="t1", lease=11, version=0, sampler="s2")])
+    report = audit([run])
+    assert report.unresolved == ["t7"] and report.named["unresolved"] == {"t7": "s1"}
+    assert report.accepted_twice == ["t1"] and report.named["accepted_twice"] == {"t1": "s2"}
+    assert main([str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "unresolved: 1 (e.g. t7 (s1))" in out and "accepted_twice: 1 (e.g. t1 (s2))" in out
+
+
+def test_a_task_outstanding_at_a_stop_must_end_after_the_resume_that_leases_it_again(run: Path) -> None:
+    # t2 was queued for re-issue when the first segment stopped (the fixture's ledger); the
+    # resumed run leased it again and stopped while it was still leased: outstanding, fine.
+    _write(
+        run,
+        "ps",
+        [
+            ledger.Leased(task="t2", lease=20, attempt=1, sampler="s3"),
+            ledger.Outstanding(task="t2", lease=20, attempt=1),
+        ],
+    )
+    assert audit([run]).ok
+    # Leased once more after that, and nothing after it: the task has no end.
+    _write(run, "ps", [ledger.Leased(task="t2", lease=21, attempt=2, sampler="s4")])
+    report = audit([run])
+    assert report.unresolved == ["t2"] and report.named["unresolved"] == {"t2": "s4"}

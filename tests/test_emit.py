@@ -122,20 +122,9 @@ def test_the_sbatch_script_has_one_step_per_host_the_learners_first(tmp_path: Pa
     assert text[start : text.index("\nECHO2_TOPOLOGY_EOF\n")] + "\n" == MULTIHOST.read_text()
 
 
-class _TorchrunSpec(ProcessSpec, frozen=True, kw_only=True):
-    """A process with the launcher's torchrun settings (issue 17 item 2), as ``ProcessSpec``
-    has them once that lands: the emitter reads them by name."""
-
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_hosts: list[str] = []
-    rdzv_endpoint: str = ""
-    gpus: list[int] = []
-
-
 def _two_node_learner() -> Topology:
     topology = load_topology(MULTIHOST)
-    learner = _TorchrunSpec(
+    learner = ProcessSpec(
         host="learner",
         nproc_per_node=2,
         nnodes=2,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import os
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 from echo2.engines import FINISH_EOS, FINISH_LENGTH, Completion, Engine, SamplingParams, make_engine
+from echo2.engines.base import EngineThread
 from echo2.engines.simulated import SimulatedEngine, simulated_answer
 from echo2.engines.torch_engine import TorchEngine
 from echo2.models import CharTokenizer, TinyTransformer
@@ -290,3 +294,18 @@ def test_simulated_never_answers_an_unreadable_prompt_and_truncates() -> None:
     assert all(c.finish_reason == FINISH_LENGTH and c.text == "89" for c in cut[0])
     with pytest.raises(ValueError, match="n must be"):
         eng.generate([TOK.encode_prompt("1+2=")], 0, SamplingParams())
+
+
+async def test_many_engines_in_one_process_each_run_a_call_at_once() -> None:
+    """Samplers co-located in one process (simulated ones, or one process driving several
+    GPUs) each run their engine call at the same time: asyncio's shared default pool has
+    only ``cpu_count + 4`` threads, so the 7th of 6 samplers on 2 cores used to wait."""
+    count = (os.cpu_count() or 1) + 8
+    all_in = threading.Barrier(count, timeout=30.0)  # passes only with every call running
+    threads = [EngineThread(f"e{i}") for i in range(count)]
+    try:
+        waited = await asyncio.gather(*(t.call(all_in.wait) for t in threads))
+    finally:
+        for t in threads:
+            t.close()
+    assert sorted(waited) == list(range(count))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("transformers", reason="the HF path needs the 'hf' extra (tr
 import torch
 
 from echo2.engines.base import SamplingParams, make_engine
+from echo2.messages import RolloutGroup, ScoredGroup
 from echo2.models.policy import load_policy
 from echo2.rl.logprobs import sequence_logprobs
 
@@ -141,6 +143,32 @@ def test_chat_template(tmp_path: Path) -> None:
     assert len(policy.tokenizer.encode_prompt("1+2")) > len(plain.tokenizer.encode_prompt("1+2"))
 
 
+def scored_group(engine: Any, prompt_text: str) -> ScoredGroup:
+    """Four samples of ``prompt_text`` from ``engine`` as a scored group (rewards 1, 0, 1, 0)."""
+    prompt = engine.encode_prompt(prompt_text)
+    (group,) = engine.generate([prompt], 4, SamplingParams(temperature=1.0, max_new_tokens=5, seed=1))
+    offsets = np.cumsum([0] + [len(c.token_ids) for c in group]).astype(np.int32)
+    return ScoredGroup(
+        group=RolloutGroup(
+            lease_id=0,
+            task_id="t0",
+            attempt=0,
+            sampler_id="s",
+            incarnation=0,
+            version=0,
+            prompt=prompt_text,
+            prompt_token_ids=np.array(prompt, dtype=np.int32),
+            token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
+            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32),
+            offsets=offsets,
+            texts=[c.text for c in group],
+            finish_reasons=[c.finish_reason for c in group],
+        ),
+        rewards=np.array([1.0, 0.0, 1.0, 0.0], dtype=np.float32),
+        keep=np.ones(4, dtype=bool),
+    )
+
+
 class _Ctx:
     """The bits of an actor context the Learner's build/step/evaluate touch."""
 
@@ -159,7 +187,6 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     """The Learner actor's HF path: build, evaluate, one GRPO step, publish -> sampler install."""
     from echo2.actors.learner import Learner, LearnerConfig
     from echo2.job import JobConfig
-    from echo2.messages import RolloutGroup, ScoredGroup
     from echo2.weights.chunks import flatten_tensors, unflatten
 
     job = JobConfig(model=str(llama_dir), task="addition", max_new_tokens=5, group_size=4, groups_per_step=1)
@@ -171,27 +198,7 @@ def test_learner_trains_and_publishes_hf_model(llama_dir: Path) -> None:
     assert score.prompts == 3 and score.pass_at_1 is not None and 0.0 <= score.pass_at_1 <= 1.0
     sampler = make_engine("hf", model_dir=str(llama_dir), seed=0)
     prompt = sampler.encode_prompt("12+34=")
-    (group,) = sampler.generate([prompt], 4, SamplingParams(temperature=1.0, max_new_tokens=5))
-    offsets = np.cumsum([0] + [len(c.token_ids) for c in group]).astype(np.int32)
-    scored = ScoredGroup(
-        group=RolloutGroup(
-            lease_id=0,
-            task_id="t0",
-            attempt=0,
-            sampler_id="s",
-            incarnation=0,
-            version=0,
-            prompt="12+34=",
-            prompt_token_ids=np.array(prompt, dtype=np.int32),
-            token_ids=np.concatenate([c.token_ids for c in group]).astype(np.int32),
-            logprobs=np.concatenate([c.logprobs for c in group]).astype(np.float32),
-            offsets=offsets,
-            texts=[c.text for c in group],
-            finish_reasons=[c.finish_reason for c in group],
-        ),
-        rewards=np.array([1.0, 0.0, 1.0, 0.0], dtype=np.float32),
-        keep=np.ones(4, dtype=bool),
-    )
+    scored = scored_group(sampler, "12+34=")
     before = {k: v.copy() for k, v in learner.policy.wire_tensors().items()}
     record = learner._train_step([scored])
     assert record["rollouts"] == 4 and np.isfinite(record["loss"])

@@ -64,6 +64,15 @@ def test_a_join_port_puts_every_channel_a_sampler_uses_on_tcp() -> None:
         (url,) = stand_in.ports[port].connect
         assert url.startswith("tcp://127.0.0.1:"), url
     assert all(url.startswith("tcp://") for url in resolved.joined.telemetry_connect)
+    # A joined sampler's machine is unknown (often behind NAT): it dials the publisher's
+    # fixed chunk-stream listener for its weights instead of waiting for a relay to reach it.
+    (dial,) = stand_in.ports["weights"].stream_dial
+    publisher = resolved.processes["learner"].actors
+    listeners = [a.ports["weights"].stream_bind for a in publisher if a.kind == "weight_publisher"]
+    assert dial.startswith("tcp://127.0.0.1:") and listeners and listeners[0].endswith(dial.rsplit(":", 1)[1])
+    assert not stand_in.ports["weights"].stream_bind
+    info = JoinServer(resolved).answer(JoinRequest(name="w"))
+    assert info.ports["weights"].stream_dial == [dial]
     # The declared samplers on the job's host keep their ipc paths; binders bind both.
     declared = resolved.processes["sampler-0"].actors[0].ports["tasks"].connect
     assert all(url.startswith("ipc://") for url in declared)

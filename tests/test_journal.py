@@ -3,25 +3,21 @@ kill -9 (echo2.actors.lease_journal): what a restarted or resumed PromptSource c
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
 from tests.polling import until
-from tests.test_actors import _addresses
+from tests.test_actors import running
 
 from echo2.actors import lease_journal as wal
 from echo2.actors.prompt_source import PromptSource, PromptSourceConfig
 from echo2.errors import JournalDamaged
 from echo2.job import JobConfig
 from echo2.journal import Journal
-from echo2.messages import Hello, LeaseClosed, SayHello, TaskLease, Welcome, WorkRequest
+from echo2.messages import Hello, LearnerProgress, LeaseClosed, SayHello, TaskLease, Welcome, WorkRequest
 from echo2.rundir import RunDir
-from echo2.runtime import ProcessRuntime
 from echo2.transport import Transport
 
 
@@ -103,10 +99,14 @@ def test_recover_replays_issues_settlements_and_progress() -> None:
         wal.Settled(2, requeue=True),  # expired: t1 again as attempt 1
         issued(4, "t1", 1, False),
         wal.Settled(3, requeue=True, front=True),  # its send failed: same attempt, first
-        wal.Progress(trained=1, dropped_after_store=0),
+        wal.Progress(trained=1, dropped_after_store=0, next_version=2, learner_incarnation=1),
+        wal.Welcomed(name="s0", route=b"s0/1"),
+        wal.Quarantined(name="forger"),
     ]
     out = wal.recover(None, records)
     assert (out.incarnation, out.issued_tasks, out.stored, out.trained) == (1, 3, 1, 1)
+    assert (out.next_version, out.learner_incarnation) == (2, 1)  # the admission window
+    assert out.samplers == {"s0": b"s0/1"} and out.quarantined == {"forger"}
     assert list(out.open) == [4]
     assert [(p.task.task_id, p.attempt) for p in out.retry] == [("t2", 0)]
     # A snapshot of that state recovers the same state.
@@ -117,22 +117,6 @@ def test_recover_replays_issues_settlements_and_progress() -> None:
 def test_lease_ids_carry_the_incarnation() -> None:
     assert wal.lease_incarnation(wal.lease_id(3, 17)) == 3
     assert wal.lease_id(2, 1) > wal.lease_id(1, 10**9)
-
-
-@contextlib.asynccontextmanager
-async def _running(source: PromptSource, transport: Transport, run_dir: Path, resume: bool) -> AsyncIterator[str]:
-    prefix = f"j-{id(source):x}"
-    addresses = {source.name: _addresses(source, prefix)}
-    runtime = ProcessRuntime(
-        [source], addresses, transport=transport, run_dir=run_dir, resume=resume, drain_timeout_s=2
-    )
-    async with asyncio.TaskGroup() as group:
-        group.create_task(runtime.run())
-        await runtime.wait_ready()
-        try:
-            yield prefix
-        finally:
-            runtime.request_stop("test finished")
 
 
 async def _leases(transport: Transport, prefix: str, n: int, name: str = "s0") -> list[TaskLease]:
@@ -157,7 +141,7 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
 ) -> None:
     crashed, restarted, resumed = tmp_path / "crashed", tmp_path / "restarted", tmp_path / "resumed"
     first = PromptSource("ps", CONFIG, JOB)
-    async with _running(first, transport, crashed, resume=False) as prefix:
+    async with running(first, transport, crashed, resume=False) as prefix:
         leases = await _leases(transport, prefix, 4)
         completions = transport.push(name="buf", connect=[f"inproc://{prefix}/completions"])
         try:
@@ -177,7 +161,7 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
     # Restarted in a live run: the 3 open leases stay open for their holders; new work
     # continues the stream and carries the new incarnation.
     second = PromptSource("ps", CONFIG, JOB)
-    async with _running(second, transport, restarted, resume=False) as prefix:
+    async with running(second, transport, restarted, resume=False) as prefix:
         assert second.statistics().open_leases == 3
         # The sampler that holds them kept running: its next WorkRequest is not served but
         # answered with SayHello; its Hello is welcomed and its leases stay open.
@@ -196,11 +180,26 @@ async def test_a_killed_prompt_source_continues_its_stream_and_keeps_its_open_le
     assert wal.lease_incarnation(fresh.lease_id) == 2
     assert fresh.task_id not in seen and fresh.attempt == 0
 
-    # Resumed after a stop (new samplers): the 3 are re-issued first, as attempt 1.
+    # Resumed after a stop (new samplers): the 3 are offered to the Buffer for expiry at
+    # once. The Buffer (played here) says one of them was stored before the stop: only the
+    # other two are re-issued, first, as attempt 1, once the resumed learner has reported.
     third = PromptSource("ps", CONFIG, JOB)
-    async with _running(third, transport, resumed, resume=True) as prefix:
-        assert third.statistics().open_leases == 0
-        again = await _leases(transport, prefix, 4)
-    assert sorted(lease.task_id for lease in again[:3]) == sorted(lease.task_id for lease in leases[1:])
-    assert [lease.attempt for lease in again] == [1, 1, 1, 0]
-    assert again[3].task_id not in seen
+    async with running(third, transport, resumed, resume=True) as prefix:
+        control = transport.pull(name="buf.control", bind=[f"inproc://{prefix}/peer-lease_control"])
+        buffer = transport.push(name="buf", connect=[f"inproc://{prefix}/completions"])
+        try:
+            offered = [await control.recv() for _ in range(3)]
+            assert sorted(m.lease_id for m in offered) == sorted(lease.lease_id for lease in leases[1:])
+            for m, outcome in zip(offered, ["stored", "expired", "expired"], strict=True):
+                await buffer.send(LeaseClosed(lease_id=m.lease_id, task_id=m.task_id, attempt=0, outcome=outcome))
+            await buffer.send(
+                LearnerProgress(next_version=0, groups_trained=0, groups_dropped_after_store=0, incarnation=1)
+            )
+            await until(lambda: third.statistics().open_leases == 0)
+            again = await _leases(transport, prefix, 3)
+        finally:
+            control.close()
+            buffer.close()
+    assert sorted(lease.task_id for lease in again[:2]) == sorted(m.task_id for m in offered[1:])
+    assert [lease.attempt for lease in again] == [1, 1, 0]
+    assert again[2].task_id not in seen

@@ -108,6 +108,18 @@ def job(line: str):
     return sub("max_new_tokens = 4\n", f"max_new_tokens = 4\n{line}\n")
 
 
+def learner_process(lines: str, *, distributed: bool = False, hosts: bool = False):
+    """An edit of ``BASE``: settings of ``[processes.learner]``; with ``distributed`` its
+    learner is a ``distributed_learner`` (run under torchrun); with ``hosts`` on two hosts."""
+
+    def edit(text: str) -> str:
+        text = two_hosts(text) if hosts else text
+        text = text.replace("torch_threads = 1\n", f"torch_threads = 1\n{lines}\n", 1)
+        return text.replace('kind = "learner"', 'kind = "distributed_learner"') if distributed else text
+
+    return edit
+
+
 # (id, edit of BASE, field path, text the problem must contain)
 CASES = [
     # numbers: quoted, out of range (issue 18: negative max_steps, eval_every, lease_ttl_s,
@@ -136,6 +148,34 @@ CASES = [
         "> 0.0",
     ),
     ("staleness-negative", sub("staleness = 2", "staleness = -1"), "job.staleness", ">= 0"),
+    # LoRA (issue 16): the table's fields, the targets against the model, and the engines
+    ("lora-rank-zero", sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 0 },"), "actors.learner.config.lora.rank", ">= 1"),
+    (
+        "lora-unknown-field",
+        sub("lr = 3e-4,", "lr = 3e-4, lora = { rnak = 8 },"),
+        "actors.learner.config.lora.rnak",
+        "unknown field",
+    ),
+    (
+        "lora-target-not-in-model",
+        sub("lr = 3e-4,", 'lr = 3e-4, lora = { target_modules = ["q_proj"] },'),
+        "actors.learner.config.lora.target_modules",
+        "name no linear module",
+    ),
+    (
+        "lora-and-simulated-training",
+        sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 4 }, simulated_train_s = 0.1,"),
+        "actors.learner.config",
+        "simulated_train_s trains nothing",
+    ),
+    (
+        "lora-vllm-without-max-lora-rank",
+        lambda text: sampler('engine = "vllm", credits = 4')(
+            sub("lr = 3e-4,", "lr = 3e-4, lora = { rank = 4 },")(text)
+        ),
+        "actors.sampler.config.engine_kwargs.max_lora_rank",
+        "max_lora_rank >= 4",
+    ),
     ("groups-per-step-zero", sub("groups_per_step = 4", "groups_per_step = 0"), "job.groups_per_step", ">= 1"),
     ("top-p-above-one", job("top_p = 1.5"), "job.top_p", "<= 1"),
     ("temperature-zero", job("temperature = 0.0"), "job.temperature", "> 0"),
@@ -159,6 +199,12 @@ CASES = [
         "stripes-zero",
         sub('mode = "relay"', 'mode = "striped", stripes = 0'),
         "actors.weight_publisher.config.stripes",
+        ">= 1",
+    ),
+    (
+        "relay-depth-zero",
+        sub('mode = "relay"', 'mode = "relay", relay_depth = 0'),
+        "actors.weight_publisher.config.relay_depth",
         ">= 1",
     ),
     ("threads-negative", sub("torch_threads = 1", "torch_threads = -1"), "processes.learner.torch_threads", ">= 0"),
@@ -371,6 +417,64 @@ CASES = [
         "actors.prompt_source.config.max_tasks",
         "no step could be trained",
     ),
+    # GPUs, ranks and nodes of a process (issue 17: the launcher runs the learner under torchrun)
+    ("gpus-twice", learner_process("gpus = [0, 0]"), "processes.learner.gpus", "lists a GPU twice"),
+    ("gpus-negative", learner_process("gpus = [-1]"), "processes.learner.gpus[0]", ">= 0"),
+    (
+        "nproc-without-distributed-actor",
+        learner_process("nproc_per_node = 2"),
+        "processes.learner.nproc_per_node",
+        'needs an actor that trains across ranks (kind = "distributed_learner")',
+    ),
+    ("nproc-zero", learner_process("nproc_per_node = 0", distributed=True), "processes.learner.nproc_per_node", ">= 1"),
+    (
+        "gpus-not-one-per-rank",
+        learner_process("nproc_per_node = 2\ngpus = [0]", distributed=True),
+        "processes.learner.gpus",
+        "list one per rank",
+    ),
+    (
+        "nnodes-without-distributed-actor",
+        learner_process("nnodes = 2"),
+        "processes.learner.nnodes",
+        "needs an actor that trains across ranks",
+    ),
+    (
+        "nnodes-without-node-hosts",
+        learner_process('nnodes = 2\nrdzv_endpoint = "10.1.2.2:29500"', distributed=True),
+        "processes.learner.node_hosts",
+        "0 host(s) for nnodes = 2",
+    ),
+    (
+        "node-hosts-unknown",
+        learner_process('nnodes = 2\nnode_hosts = ["a", "c"]', distributed=True, hosts=True),
+        "processes.learner.node_hosts[1]",
+        "unknown host 'c'",
+    ),
+    (
+        "node-hosts-not-led-by-host",
+        learner_process('nnodes = 2\nnode_hosts = ["b", "a"]', distributed=True, hosts=True),
+        "processes.learner.node_hosts",
+        "node rank 0 runs on 'b' but the process's host is 'a'",
+    ),
+    (
+        "node-hosts-without-torchrun",
+        learner_process('node_hosts = ["local"]'),
+        "processes.learner.node_hosts",
+        "only for a process under torchrun",
+    ),
+    (
+        "rdzv-endpoint-missing",
+        learner_process('nnodes = 2\nnode_hosts = ["a", "b"]', distributed=True, hosts=True),
+        "processes.learner.rdzv_endpoint",
+        'required with nnodes = 2: node 0\'s rendezvous address:port that every node reaches, e.g. "127.0.0.1:29500"',
+    ),
+    (
+        "rdzv-endpoint-without-port",
+        learner_process('rdzv_endpoint = "10.1.2.2"', distributed=True),
+        "processes.learner.rdzv_endpoint",
+        "expected address:port",
+    ),
     # hosts and ports (issue 13: cross-host binders on loopback; ports out of range or clashing)
     ("port-base-privileged", add("[hosts.local]\nport_base = 80\n"), "hosts.local.port_base", ">= 1024"),
     ("port-base-too-large", add("[hosts.local]\nport_base = 70000\n"), "hosts.local.port_base", "<= 65535"),
@@ -437,6 +541,39 @@ CASES = [
         sampler('engine = "torch", goodbye_timeout_s = -1.0'),
         "actors.sampler.config.goodbye_timeout_s",
         ">= 0",
+    ),
+    ("bind-not-an-address", add('[hosts.local]\nbind = "eth0"\n'), "hosts.local.bind", "not an IP address"),
+    (
+        "bind-family",
+        lambda t: two_hosts(t).replace('address = "10.1.2.3"', 'address = "10.1.2.3"\nbind = "fd00::3"'),
+        "hosts.b.bind",
+        "is IPv6 but address",
+    ),
+    (
+        "inbound-binder",
+        lambda t: (
+            two_hosts(t)
+            .replace('address = "10.1.2.3"', 'address = "127.0.0.1"\nport_base = 29000\ninbound = false')
+            .replace('kind = "buffer"\nprocess = "data"', 'kind = "buffer"\nprocess = "sampler-{i}"')
+        ),
+        "hosts.b.inbound",
+        "accepts no inbound connection",
+    ),
+    ("inbound-typo", add('[hosts.local]\ninbound = "no"\n'), "hosts.local.inbound", "Expected `bool`"),
+    (
+        "weights-streams-zero",
+        sub(
+            'config = { engine = "torch", credits = 4 }',
+            'config = { engine = "torch", credits = 4, weights_max_streams = 0 }',
+        ),
+        "actors.sampler.config.weights_max_streams",
+        ">= 1",
+    ),
+    (
+        "publisher-streams-too-many",
+        sub('config = { mode = "relay" }', 'config = { mode = "relay", max_streams = 5000 }'),
+        "actors.weight_publisher.config.max_streams",
+        "<= 1024",
     ),
 ]
 

@@ -182,3 +182,27 @@ def test_main_prints_paths_and_rejects_a_missing_dir(  # one step: filterwarning
     assert out == [
         str(RunDir(run_dir).report_dir / n) for n in ("reward.png", "staleness.png", "learner_idle.png", "report.md")
     ]
+
+
+def test_every_versions_broadcast_and_the_publishers_remedy_are_in_the_report(tmp_path: Path) -> None:
+    """Versions that never reached T_bcast (superseded, slow members) are reported with how
+    many members installed them, and a broadcast-bound run says what would restore overlap."""
+    run_dir = make_run(tmp_path)
+    records = [
+        {"kind": "broadcast", "incarnation": 0, "version": 2, "t_bcast_s": 1.5, "installed": 3, "active": 3},
+        {"kind": "broadcast", "incarnation": 0, "version": 4, "t_bcast_s": None, "installed": 1, "active": 3},
+        {"kind": "broadcast", "incarnation": 0, "version": 6, "t_bcast_s": 2.5, "installed": 3, "active": 3},
+        {
+            "kind": "publication", "t_bcast_s": 3.0, "t_bcast_lower_bound": True, "kappa": 2, "t_train_s": 0.5,
+            "bytes_per_version": 8_000_000, "kappa_needed": 6, "staleness_needed": 7,
+            "bytes_per_version_needed": 2_666_666, "held": 5, "skipped": 4,
+        },
+    ]  # fmt: skip
+    RunDir(run_dir).metrics_path("weight_publisher").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(run_dir)
+    markdown = (RunDir(run_dir).report_dir / "report.md").read_text()
+    assert "3 versions broadcast; 2 reached T_bcast (median 2 s, max 2.5 s)" in markdown
+    assert "1 never did (superseded, or members too slow): installed by a median of 1 of 3 active members" in markdown
+    assert "T_bcast >3.0 s > kappa x T_train = 2 x 0.5 s; overlap needs kappa >= 6 (S >= 7)" in markdown
+    assert "at most 2.67 MB per version (was 8 MB); 5 snapshots waited" in markdown
+    assert_png(RunDir(run_dir).report_dir / "broadcast.png")

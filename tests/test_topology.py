@@ -26,6 +26,7 @@ from echo2.topology import (
     torch_threads,
     validate,
 )
+from echo2.topology.addresses import INBOX
 
 SMOKE = """
 [run]
@@ -350,6 +351,64 @@ def test_binder_with_mixed_connectors_binds_every_medium() -> None:
     assert derived.ports["far"]["out"].connect == ("tcp://10.0.0.1:5000",)
 
 
+WEIGHTS_PUB = {"weights": Port("router", bind=True)}
+WEIGHTS_SUB = {"weights": Port("dealer", bind=False)}
+
+
+def test_relay_inboxes_take_fixed_ports_after_the_hosts_binders_and_listen_on_bind() -> None:
+    hosts = {
+        "a": HostSpec(address="10.0.0.1", port_base=5000),
+        "b": HostSpec(address="203.0.113.7", bind="192.168.1.5", port_base=6000),  # NAT, ports forwarded
+        "c": HostSpec(address="2001:db8::3", port_base=7000),
+    }
+    places = [
+        Placement("pub", "p", "a", WEIGHTS_PUB),
+        Placement("s-b2", "q", "b", WEIGHTS_SUB),
+        Placement("s-b1", "q", "b", {**WEIGHTS_SUB, **PULL}),
+        Placement("s-c", "r", "c", WEIGHTS_SUB),
+        Placement("src", "p", "a", PUSH),
+    ]
+    derived = derive_addresses(places, hosts, "r1")
+    # Host b: its binder first, then the inboxes by actor name; never an ephemeral port.
+    assert derived.tcp_ports[("s-b1", "in")] == 6000
+    assert (derived.tcp_ports[("s-b1", INBOX)], derived.tcp_ports[("s-b2", INBOX)]) == (6001, 6002)
+    b1 = derived.ports["s-b1"]["weights"]
+    assert (b1.stream_bind, b1.stream_announce) == ("tcp://192.168.1.5:6001", "tcp://203.0.113.7:6001")
+    assert derived.ports["s-b1"]["in"].bind == ("tcp://192.168.1.5:6000",)
+    assert derived.ports["src"]["out"].connect == ("tcp://203.0.113.7:6000",)
+    c = derived.ports["s-c"]["weights"]  # IPv6: brackets, and every interface is [::]
+    assert (c.stream_bind, c.stream_announce) == ("tcp://[::]:7000", "tcp://[2001:db8::3]:7000")
+    assert derived.ports["s-c"]["weights"].connect == ("tcp://10.0.0.1:5000",)
+    assert ("pub", INBOX) not in derived.tcp_ports  # nobody dials: the publisher needs no listener
+
+
+def test_a_host_that_accepts_no_connection_dials_the_publisher() -> None:
+    hosts = {**HOSTS, "n": HostSpec(address="10.0.0.9", inbound=False, port_base=7000)}
+    places = [Placement("pub", "p", "a", WEIGHTS_PUB), Placement("s-n", "q", "n", WEIGHTS_SUB)]
+    derived = derive_addresses(places, hosts, "r1")
+    assert ("s-n", INBOX) not in derived.tcp_ports
+    assert derived.tcp_ports[("pub", INBOX)] == 5001  # after the publisher's own binder (5000)
+    assert derived.ports["s-n"]["weights"].stream_dial == ("tcp://10.0.0.1:5001",)
+    assert derived.ports["pub"]["weights"].stream_bind == "tcp://*:5001"
+    # Nothing other hosts connect to may run behind it.
+    with pytest.raises(ConfigError, match="accepts no inbound connection") as info:
+        derive_addresses([Placement("sink", "p", "n", PULL), Placement("src", "q", "a", PUSH)], hosts, "r1")
+    assert info.value.path == "hosts.n.inbound"
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        (HostSpec(address="10.0.0.1", bind="eth0"), "is not an IP address"),
+        (HostSpec(address="10.0.0.1", bind="::1"), "is IPv6 but address '10.0.0.1' is IPv4"),
+    ],
+)
+def test_a_bind_that_is_not_an_interface_address_is_refused(spec: HostSpec, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as info:
+        derive_addresses([Placement("sink", "p", "x", PULL)], {"x": spec}, "r1")
+    assert info.value.path == "hosts.x.bind"
+
+
 def test_binder_without_connectors_still_binds_inproc() -> None:
     derived = derive_addresses([Placement("sink", "p", "a", PULL)], HOSTS, "r1")
     assert derived.ports["sink"]["in"].bind == ("inproc://echo2-r1/sink/in",)
@@ -394,6 +453,17 @@ def test_ipc_paths_stay_short() -> None:
     derived = derive_addresses(places, HOSTS, "r" * 80)
     (url,) = derived.ports[long][long].bind
     assert url.startswith("ipc:///tmp/echo2-") and len(url) < 100
+
+
+def test_runs_of_one_name_started_in_the_same_second_from_two_directories_get_two_ipc_directories(
+    tmp_path: Path,
+) -> None:
+    topology = load_topology(write(tmp_path, SMOKE))
+    first = resolve(topology, "smoke-20260101-000000", str(tmp_path / "a" / "smoke-20260101-000000"))
+    second = resolve(topology, "smoke-20260101-000000", str(tmp_path / "b" / "smoke-20260101-000000"))
+    assert first.ipc_dir != second.ipc_dir
+    again = resolve(topology, "smoke-20260101-000000", str(tmp_path / "a" / "smoke-20260101-000000"))
+    assert again.ipc_dir == first.ipc_dir  # a --resume of the same run dir finds its own
 
 
 # -- torch threads -----------------------------------------------------------------------
@@ -452,7 +522,8 @@ def test_resolved_json_round_trip_and_build_process(tmp_path: Path) -> None:
     assert isinstance(source, CounterSource) and source.name == "source-1"
     assert source.config == CounterSource.Config(count=10, batch=5)
     assert source.job == topology.job
-    assert addresses == {"source-1": {"out": PortAddresses(connect=("ipc:///tmp/echo2-t-20250101-000000/sink.in",))}}
+    assert addresses == {"source-1": {"out": PortAddresses(connect=(f"ipc://{loaded.ipc_dir}/sink.in",))}}
+    assert loaded.ipc_dir.startswith("/tmp/echo2-t-20250101-000000-")
     assert telemetry == []
     with pytest.raises(ConfigError, match="unknown process 'nope'"):
         build_process(loaded, "nope")

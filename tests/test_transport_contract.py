@@ -649,7 +649,7 @@ async def test_protocol_doc_example_retries_a_busy_name_checks_the_model_and_ask
 ) -> None:
     """The plain pyzmq + msgpack sampler of docs/protocol.md against an echo2 ROUTER: Hello
     under a routing id of its own, Hello again after a refusal with a delay, and, welcomed
-    for the built-in model (whose tokenizer digest it computes itself), its first credit."""
+    for the built-in model (whose tokenizer digest it computes itself), its first work state."""
     from echo2.models.identity import model_identity
 
     async with transport.open("router", name="tasks", bind=["tcp://127.0.0.1:0"]) as router:
@@ -661,7 +661,8 @@ async def test_protocol_doc_example_retries_a_busy_name_checks_the_model_and_ask
             assert await router.send(peer, busy)
             assert await router.recv() == (peer, hello)  # again, on the same connection
             assert await router.send(peer, Welcome(server_id="tasks", accepted=True, model=model_identity("")))
-            assert await router.recv() == (peer, WorkRequest(sampler_id="stranger", credits=8))
+            # Its work state: it can hold 8 leases and holds none (docs/protocol.md section 2).
+            assert await router.recv() == (peer, WorkRequest(sampler_id="stranger", max_leases=8, sync=1))
         finally:
             with contextlib.suppress(ProcessLookupError):
                 client.kill()

@@ -3,13 +3,16 @@ versions over the relay (base mismatch, a dishonest payload, loss and repair).""
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import re
 
+import msgspec
 import numpy as np
 import pytest
 from tests.test_weights_relay import CHUNK, equal_to, harness
 
-from echo2.messages import Snapshot, WeightChunk
+from echo2.messages import PolicyVersion, Snapshot, WeightChunk
 from echo2.weights.broadcaster import DeltaForm
 from echo2.weights.chunks import digest, flatten_tensors, make_manifest
 from echo2.weights.delta import (
@@ -19,11 +22,12 @@ from echo2.weights.delta import (
     SAME,
     SEGMENT,
     DeltaError,
+    DeltaRebuild,
+    DeltaStats,
     decode,
     delta_manifest,
     encode,
-    varint_decode,
-    varint_encode,
+    payload_chunk_bytes,
 )
 
 SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, -1e-45], dtype=np.float32)
@@ -92,14 +96,6 @@ def test_each_segment_takes_the_smallest_form_and_dense_updates_fall_back_to_raw
     assert stats.raw_segments == stats.segments and payload.nbytes <= b.nbytes + 16 + 4 * SEGMENT.size
 
 
-def test_varints_round_trip_and_reject_a_wrong_count() -> None:
-    values = np.array([0, 1, 127, 128, 16383, 16384, 2**35, 2**62], dtype=np.int64)
-    coded = varint_encode(values)
-    assert np.array_equal(varint_decode(coded, len(values)), values)
-    with pytest.raises(DeltaError):
-        varint_decode(coded, len(values) - 1)
-
-
 def test_inconsistent_payloads_raise_delta_error() -> None:
     rng = np.random.default_rng(3)
     specs, base = flatten_tensors({"w": rng.integers(0, 255, 50_000, dtype=np.uint8)})
@@ -116,6 +112,81 @@ def test_inconsistent_payloads_raise_delta_error() -> None:
         decode(flipped, base, out)
     with pytest.raises(DeltaError):
         decode(payload, base[:-1], out[:-1])  # a base of another size
+
+
+# -- rebuilding while the payload arrives ------------------------------------------------
+
+
+def rebuild_case(seed: int, fraction: float = 0.02) -> tuple[np.ndarray, np.ndarray, object]:
+    """(base, new, delta manifest) of a state of many small segments, so that the segment
+    table spans several payload chunks and records span chunk boundaries."""
+    rng = np.random.default_rng(seed)
+    before = state(rng, 200_000)
+    specs, base = flatten_tensors(before)
+    _, new = flatten_tensors(changed(before, rng, fraction))
+    snap = Snapshot(incarnation=1, version=2, tensors=specs, data=new, created_at_s=0.0)
+    payload, stats = encode(new, base, specs, segment_bytes=4096)
+    manifest = make_manifest(snap, 64 * 1024)
+    delta = delta_manifest(manifest, PolicyVersion(1, 1), payload, stats, chunk_bytes=1024)
+    return base, payload, delta
+
+
+def land(rebuild: DeltaRebuild, payload: np.ndarray, order: list[int]) -> None:
+    m = rebuild.payload.manifest
+    for index in order:
+        data = payload[index * m.chunk_bytes : (index + 1) * m.chunk_bytes].copy()
+        assert rebuild.payload.offer(WeightChunk(incarnation=1, version=2, index=index, data=data)) == "stored"
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed", "shuffled"])
+def test_a_rebuild_while_the_payload_arrives_in_any_order_verifies_the_new_state(order: str) -> None:
+    base, payload, delta = rebuild_case(5)
+    assert payload_chunk_bytes(payload.nbytes, 64 * 1024) < 64 * 1024  # a small payload: small chunks
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rebuild = DeltaRebuild(delta, base, pool.submit)
+        chunks = list(range(len(rebuild.payload.manifest.chunk_digests)))
+        table_chunks = -(-(16 + 48 * 100) // rebuild.payload.manifest.chunk_bytes)
+        assert len(chunks) > 8 and table_chunks > 1  # the table alone spans chunks
+        if order == "reversed":
+            chunks.reverse()  # nothing decodes until the table's first chunk: then all of it
+        elif order == "shuffled":
+            random.Random(1).shuffle(chunks)
+        land(rebuild, payload, chunks[:-1])
+        assert not rebuild.result.done()  # the last chunk's segments are still missing
+        land(rebuild, payload, chunks[-1:])
+        assert rebuild.result.result(timeout=30) is True, rebuild.error
+    assert rebuild.state.complete
+    rebuilt = np.empty_like(base)
+    decode(payload, base, rebuilt)
+    assert np.array_equal(rebuild.state.buffer, rebuilt)
+    assert [digest(rebuild.state.buffer[i : i + 65536]) for i in range(0, base.nbytes, 65536)] == (delta.chunk_digests)
+
+
+def test_a_rebuild_whose_payload_lies_fails_without_touching_the_base() -> None:
+    """A payload whose chunks match their (signed) digests but which rebuilds another state,
+    or whose table is inconsistent: the rebuild fails, saying why; the base is intact."""
+    base, payload, delta = rebuild_case(6)
+    base_version = PolicyVersion(1, 1)
+    kept = base.copy()
+    body = payload.copy()
+    body[-1] ^= 0x55  # the last record: decodes (or not) to other bytes
+    table = payload.copy()
+    table[16 + 8] ^= 1  # segment 0's state offset
+    for bad, why in ((body, "digest|decompress|size|range|bitmap"), (table, "cover")):
+        lie = delta_manifest(
+            msgspec.structs.replace(delta, delta=None),
+            base_version,
+            bad,
+            DeltaStats(1, 1, 1, 1, 0, 1),
+            chunk_bytes=1024,
+        )
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            rebuild = DeltaRebuild(lie, base, pool.submit)
+            land(rebuild, bad, list(range(len(rebuild.payload.manifest.chunk_digests))))
+            assert rebuild.result.result(timeout=30) is False
+        assert re.search(why, rebuild.error), rebuild.error
+        assert not rebuild.state.complete
+    assert np.array_equal(base, kept)
 
 
 # -- over the relay ----------------------------------------------------------------------
@@ -225,3 +296,40 @@ async def test_a_delta_that_rebuilds_the_wrong_state_keeps_the_previous_version_
         assert [c.key.version for c in h.complete["a"]] == [1, 2]  # never the wrong state
         assert equal_to(h.complete["a"][-1], snaps[1])
         assert digest(h.complete["a"][-1].buffer) != digest(wrong)
+
+
+@pytest.mark.parametrize("anchor_every", [0, 4])
+async def test_a_member_keeps_its_delta_base_only_while_the_publisher_codes_deltas(anchor_every: int) -> None:
+    """Keeping the last state as a delta base costs a whole state per member: with delta
+    versions off (the default) no member holds one once the version is handed on."""
+    snaps = versions(2)
+    async with harness(mode="relay", delta_anchor_every=anchor_every) as h:
+        h.add("a")
+        await h.broadcaster.wait_members(1)
+        for snap in snaps:
+            await publish(h, snap)
+            await h.wait_complete(["a"], snap.version)
+            await h.broadcaster.wait_installed(snap.policy_version, 1)
+        receiver = h.receivers["a"]
+        held = receiver._base
+        if anchor_every:
+            assert held is not None and held[0] == snaps[1].policy_version
+            assert receiver.counters["delta_versions"] == 1
+        else:
+            assert held is None and receiver.counters["delta_versions"] == 0
+        assert equal_to(h.complete["a"][-1], snaps[1])
+
+
+async def test_a_version_with_a_quarter_of_its_elements_changed_goes_dense() -> None:
+    """Rebuilding a dense-ish delta scatters much of the state: from DELTA_MAX_CHANGED of
+    the elements changed the publisher sends the dense form, even when the payload is
+    small (30% of bf16-like elements changed by a little compresses to far less than dense)."""
+    async with harness(mode="relay", delta_anchor_every=8) as h:
+        light, heavy = versions(2, fraction=0.02), versions(2, fraction=0.30)
+        for snaps, coded in ((light, True), (heavy, False)):
+            h.broadcaster._delta_base = None
+            await publish(h, snaps[0])
+            snap, manifest = h.broadcaster.prepare(snaps[1])
+            form = h.broadcaster.prepare_delta(snap, manifest)
+            assert (form is not None) == coded
+        assert h.broadcaster.counters["delta_fallbacks"] == 1

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from tests.polling import until
+from tests.ports import port_bases
 
 from echo2.messages import Snapshot, WeightChunk
 from echo2.transport import Transport
@@ -75,6 +78,8 @@ class Harness:
         gap_timeout_s: float = 0.3,
         verify_manifest=None,  # type: ignore[no-untyped-def]
         shm: bool = True,
+        dial: str = "",
+        finish_within: int = 0,
     ) -> WeightReceiver:
         control = self.transport.dealer(name=f"{name}.weights", connect=[self.url], identity=name.encode())
         self.complete[name] = []
@@ -97,6 +102,8 @@ class Harness:
             verify_manifest=verify_manifest,
             data_plane=self.data_plane,
             shm_dir=self.shm_dir if shm else None,
+            dial=dial,
+            finish_within=finish_within,
         )
         receiver.open()
         self.receivers[name] = receiver
@@ -125,6 +132,7 @@ async def harness(
     medium: str = "inproc",
     shm_dir: str | None = None,
     delta_anchor_every: int = 0,
+    dial_in: str = "",
 ) -> AsyncIterator[Harness]:
     """``medium``: "inproc" (ZeroMQ PULL inboxes), "tcp" (chunk-stream inboxes, the default
     over tcp) or "tcp-zmq" (ZeroMQ PULL inboxes over tcp). ``shm_dir``: shared memory for
@@ -144,6 +152,7 @@ async def harness(
         fault=fault,
         shm_dir=shm_dir,
         delta_anchor_every=delta_anchor_every,
+        dial_in=dial_in,
     )
     try:
         async with asyncio.TaskGroup() as group:
@@ -464,8 +473,8 @@ def test_t_bcast_is_recorded_for_superseded_versions_and_for_those_that_never_re
 @pytest.mark.parametrize("stale", [False, True], ids=["this-version", "older-version"])
 async def test_a_chunk_trickling_in_slower_than_the_gap_timeout_is_not_repaired(stale: bool) -> None:
     """Progress is counted in bytes of the version being assembled: a stream that delivers
-    a chunk over several gap timeouts (a loss-bound path) is neither dropped nor raced by a
-    repair, and the version completes from it. Bytes of an older version (a slow
+    a chunk over more than a gap timeout (a loss-bound path), within the straggler deadline,
+    is neither dropped nor raced by a repair, and the version completes from it. Bytes of an older version (a slow
     predecessor still draining) are no progress: the missing chunk is repaired meanwhile."""
     import socket
 
@@ -490,9 +499,9 @@ async def test_a_chunk_trickling_in_slower_than_the_gap_timeout_is_not_repaired(
             slow.sendall(HEADER.pack(MAGIC, 1, 1, 0 if stale else 1, 0, CHUNK))
             pieces = 16
             try:
-                for at in range(0, CHUNK, CHUNK // pieces):  # ~4 gap timeouts for the whole chunk
+                for at in range(0, CHUNK, CHUNK // pieces):  # 1.5 gap timeouts for the whole chunk
                     slow.sendall(body[at : at + CHUNK // pieces])
-                    await asyncio.sleep(4 * gap_s / pieces)  # the slow path, not a synchronisation
+                    await asyncio.sleep(1.5 * gap_s / pieces)  # the slow path, not a synchronisation
             except (BrokenPipeError, ConnectionResetError):
                 assert stale  # a stalled version drops streams stuck mid-chunk: only this one
             await h.wait_complete(["a"], 1, timeout_s=10)
@@ -528,3 +537,122 @@ async def test_repair_bytes_stay_within_the_bytes_missing() -> None:
         assert missing <= stats["requested_bytes_received"] <= 1.2 * missing
         assert h.broadcaster.counters["repair_bytes_sent"] <= 1.2 * missing
         assert stats["repair_bytes_requested"] >= stats["repair_missing_bytes"]
+
+
+async def test_a_member_that_accepts_no_connection_dials_and_gets_every_version() -> None:
+    """Behind NAT: no inbox; it dials the publisher's listener, which sends its chunks (and
+    repairs) down those connections, and the others still relay among themselves."""
+    (base,) = port_bases(1, span=1)
+    dial_in = f"tcp://127.0.0.1:{base}"
+    async with harness(mode="relay", medium="tcp", dial_in=dial_in) as h:
+        h.add("open-a")
+        natted = h.add("natted", dial=dial_in)
+        h.add("open-b")
+        assert natted.relay_address == "dial://natted" and natted._stream_socket is None  # nothing listens
+        await h.broadcaster.wait_members(3)
+        for version in (1, 2):
+            snap = snapshot(version)
+            h.broadcaster.publish_nowait(snap)
+            await h.wait_complete(["open-a", "natted", "open-b"], version)
+            assert equal_to(h.complete["natted"][-1], snap)
+        assert h.broadcaster.dial_listener.counters["dialed"] >= 1
+        assert h.broadcaster.streams_to("natted") >= 1
+        # The publisher wants more streams to it than it dialed: it asks, the member dials them.
+        h.broadcaster._counts["dial://natted"].n = 3
+        h.broadcaster.publish_nowait(snapshot(3))
+        await h.wait_complete(["natted"], 3)
+        assert natted._dialer is not None
+        await until(lambda: natted._dialer is not None and natted._dialer.connections >= 3, what="3 dialed streams")
+        trees = h.broadcaster.relay_trees
+        assert [t.members for t in trees if "natted" in t.members] == [["natted"]]  # fed directly
+        assert natted.statistics()["stream_bytes_received"] > 0
+
+
+async def test_a_dialer_not_a_member_is_refused() -> None:
+    from echo2.weights.dial import DialListener, admits, answer_frame
+
+    dialed: list[str] = []
+
+    def on_dialed(name: str, sock: socket.socket) -> None:
+        dialed.append(name)
+        sock.close()
+
+    listener = DialListener(admits(lambda: [b""], lambda: {"member"}, "pub"), on_dialed)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(listener.serve(server, group))
+        for name in ("stranger", "member"):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.setblocking(False)
+            challenge = await loop.sock_recv(sock, 40)
+            await loop.sock_sendall(sock, answer_frame(name, "pub", challenge[8:], b""))
+            await until(
+                lambda: (
+                    listener.counters["dialed"] + listener.counters["refused"] == len(dialed) + 1
+                    or dialed == ["member"]
+                )
+            )
+            sock.close()
+        serving.cancel()
+    assert dialed == ["member"] and listener.counters["refused"] == 1
+
+
+async def test_a_member_holding_half_a_version_finishes_it_before_the_next() -> None:
+    """Each newer version used to cancel the older: a slow member then installed nothing.
+    Within the staleness budget, a member with half of a version finishes it (the rest
+    repaired from the publisher, which keeps it), then takes the newer one."""
+    async with harness(mode="star", link=LinkSpec(uplink_mbps=16.0), medium="tcp") as h:
+        h.add("finisher", finish_within=3)
+        h.add("eager")  # finish_within=0: the newer version always takes over
+        await h.broadcaster.wait_members(2)
+        older, newer = snapshot(1, 24 * CHUNK), snapshot(3, 24 * CHUNK)
+        h.broadcaster.publish_nowait(older)
+        chunks = len(make_manifest(older, CHUNK).chunk_digests)
+        await until(lambda: h.receivers["finisher"].counters["chunks_received"] > chunks // 2, what="half of v1")
+        h.broadcaster.publish_nowait(newer)
+        await h.wait_complete(["finisher", "eager"], 3, timeout_s=20)
+        assert [a.key[1] for a in h.complete["finisher"]] == [1, 3]
+        assert equal_to(h.complete["finisher"][0], older) and equal_to(h.complete["finisher"][1], newer)
+        assert [a.key[1] for a in h.complete["eager"]] == [3]
+        assert h.receivers["finisher"].counters["versions_finished"] == 1
+
+
+async def test_a_last_chunk_straggling_on_its_stream_is_repaired_on_another() -> None:
+    """One stream of many backing off after losses trickles the version's last chunk: after
+    the straggler deadline that stream is dropped and the chunk repaired, well before the
+    trickle would have ended."""
+    from echo2.weights.stream import HEADER, MAGIC, parse_address
+
+    def fault(seed: str, chunk: WeightChunk) -> WeightChunk | None:
+        return None if chunk.index == 0 else chunk  # chunk 0 comes only by the straggler
+
+    gap_s = 0.3
+    async with harness(mode="relay", fault=fault, medium="tcp") as h:
+        receiver = h.add("a", gap_timeout_s=gap_s)
+        await h.broadcaster.wait_members(1)
+        host, port = parse_address(receiver.relay_address)
+        straggler = socket.create_connection((host, port))
+        try:
+            snap = snapshot(1)
+            h.broadcaster.publish_nowait(snap, make_manifest(snap, CHUNK))
+            await until(lambda: receiver.assembling == (1, 1), what="the manifest")
+            straggler.sendall(HEADER.pack(MAGIC, 1, 1, 1, 0, CHUNK))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for at in range(CHUNK):  # a byte every 20 ms: never quiet, done after ~20 minutes
+                if h.complete["a"]:
+                    break
+                try:
+                    straggler.sendall(snap.data[at : at + 1].tobytes())
+                except (BrokenPipeError, ConnectionResetError):
+                    break  # dropped by the receiver
+                await asyncio.sleep(0.02)  # the straggling path, not a synchronisation
+            await h.wait_complete(["a"], 1, timeout_s=10)
+            assert loop.time() - started < 10 * receiver.straggler_deadline_s()
+        finally:
+            straggler.close()
+        assert equal_to(h.complete["a"][-1], snap)
+        assert receiver.counters["stalled_streams_dropped"] >= 1 and receiver.counters["repair_requests"] >= 1
+        assert receiver.statistics()["repair_missing_bytes"] == CHUNK

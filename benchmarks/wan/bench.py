@@ -1,6 +1,7 @@
 """``python -m benchmarks.wan``: the main job across 4 hosts under WAN conditions, side by side.
 
     python -m benchmarks.wan [--seconds 60] [--conditions NAME...] [--no-validate] [--json PATH]
+                             [--set KEY=VALUE ...]
 
 Needs root (network namespaces). Hosts and addresses come from ``examples/multihost.toml``:
 the learner host and three edges with one sampler each. The learner's link is never
@@ -12,6 +13,7 @@ direction). Conditions (the issue 13 floors refer to them):
   wan50         100 Mbit/s, 50 ms RTT, 0.1% loss, reno (loss-based like cubic)
   wan200-reno   100 Mbit/s, 200 ms RTT, 1% loss, reno
   wan200-bbr    the same with bbr
+  *-25mb        unshaped, wan50, wan200-reno, wan200-bbr with 25 MB versions (``large_model_dir``)
   outage        wan50 with edge-b's link down for 12 s, from 30% of --seconds after the first step
   kill          wan50 with edge-c's sampler process killed (SIGKILL) at 30%; its launcher restarts it
 
@@ -19,11 +21,14 @@ Every condition trains for ``--seconds`` (the learner's ``max_wall_s``). Before 
 emulator is validated per link shape (UDP RTT and loss, TCP goodput under the cap). Per
 condition it reports: learner idle fraction and what the capacity model predicts for the
 measured T_bcast; versions installed per sampler against those published; each edge's
-weight goodput (version bytes over publication-to-install time, median) and link bytes;
+weight goodput (version bytes over publication to complete and verified at the edge,
+median; ``arrival_goodput``: from the manifest's arrival) and link bytes;
 relay drops; repair counters (the publisher's repair bytes against the bytes missing when
-first requested, summed over samplers); every launcher's exit code and seconds after the learner's
-exit (None: had not exited ``exit_grace_s`` later, then SIGTERM); the outage's recovery;
-the audit. Results go to ``benchmarks/results/wan-<date>.json``.
+first requested, summed over samplers); every launcher's exit code and seconds after the
+learner finished (its ``summary.json`` written; None: had not exited ``exit_grace_s`` after
+the learner host's launcher, then SIGTERM); the outage's recovery (seconds from the link's
+return, or from the kill, to the edge's first group accepted by the Buffer and first
+trained); the audit. Results go to ``benchmarks/results/wan-<date>.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import struct
 import sys
 import time
@@ -50,12 +56,18 @@ _WAN50 = LinkShape(rate_mbit=100, delay_ms=25, loss=0.001)
 _WAN200 = LinkShape(rate_mbit=100, delay_ms=100, loss=0.01)
 
 
+LARGE_MODEL_BYTES = 25_000_000
+"""Bytes per version of the large-model conditions (``large_model_dir``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Condition:
     name: str
     edge: LinkShape
     congestion_control: str = ""
     outage: Outage | None = None
+    large_model: bool = False
+    """Versions of at least ``LARGE_MODEL_BYTES`` (``large_model_dir``) instead of 3.2 MB."""
 
 
 CONDITIONS = {
@@ -65,10 +77,44 @@ CONDITIONS = {
         Condition("wan50", _WAN50, "reno"),
         Condition("wan200-reno", _WAN200, "reno"),
         Condition("wan200-bbr", _WAN200, "bbr"),
+        Condition("unshaped-25mb", LinkShape(), large_model=True),
+        Condition("wan50-25mb", _WAN50, "reno", large_model=True),
+        Condition("wan200-reno-25mb", _WAN200, "reno", large_model=True),
+        Condition("wan200-bbr-25mb", _WAN200, "bbr", large_model=True),
         Condition("outage", _WAN50, "reno", Outage("edge-b", after_s=0.3, duration_s=12.0)),
         Condition("kill", _WAN50, "reno", Outage("edge-c", after_s=0.3, kind="kill")),
     )
 }
+
+
+def large_model_dir(work: Path) -> Path:
+    """The warm-started tiny model with its position table extended until a version is
+    ``LARGE_MODEL_BYTES`` (made once per benchmark run, read by every host).
+
+    Two cores cannot train a 25 MB transformer fast enough for a minute's run to publish
+    more than a handful of versions; this model trains exactly like the tiny one (the extra
+    positions are never looked up, so a step costs the same and the task still learns),
+    while every version carries 25 MB that all change each step (AdamW's weight decay
+    moves every parameter), as a larger model's would."""
+    directory = work / "model-25mb"
+    if not (directory / "config.json").exists():
+        import torch
+
+        from echo2.models import default_checkpoint_dir
+        from echo2.models.tiny import TinyTransformer
+
+        base = TinyTransformer.load(default_checkpoint_dir())
+        others = sum(p.numel() for name, p in base.named_parameters() if name != "pos_emb.weight")
+        rows = -(-(LARGE_MODEL_BYTES // 4 - others) // base.config.d_model)
+        large = TinyTransformer(dataclasses.replace(base.config, max_seq_len=max(rows, base.config.max_seq_len)))
+        with torch.no_grad():
+            state = base.state_dict()
+            table = large.pos_emb.weight
+            table.zero_()
+            table[: base.config.max_seq_len] = state.pop("pos_emb.weight")
+            large.load_state_dict({**state, "pos_emb.weight": table}, strict=True)
+        large.save(directory)
+    return directory
 
 
 def bed_hosts(topology: Path, edge: LinkShape, names: list[str] | None = None) -> dict[str, tuple[str, LinkShape]]:
@@ -113,13 +159,21 @@ def analyse(result: JobResult) -> dict[str, Any]:
         latencies = [
             t - result.step_unix_s[v] for v, t in result.install_times.get(sampler, []) if v in result.step_unix_s
         ]
-        goodputs = [version_bytes * 8 / lat / 1e6 for lat in latencies if lat > 0]
+        arrivals = [(v, r, c) for v, r, c in result.arrivals.get(sampler, []) if v in result.step_unix_s and c > 0]
+        # Publication (the learner's step) to the version complete and verified at the edge:
+        # its whole weight path, without the wait for the sampler's generation batch to end.
+        complete = [c - result.step_unix_s[v] for v, _, c in arrivals]
         installed = sorted({v for v in versions if v > 0})
         per_sampler[sampler] = {
             "installed": len(installed),
             "installed_fraction": round(len(installed) / len(published), 3) if published else None,
             "install_latency_s_median": _round(median(latencies)),
-            "weight_goodput_mbit_median": _round(median(goodputs)),
+            "complete_latency_s_median": _round(median(complete)),
+            "weight_goodput_mbit_median": _round(median([version_bytes * 8 / t / 1e6 for t in complete if t > 0])),
+            # From the version's manifest reaching the edge to complete: the transfer alone.
+            "arrival_goodput_mbit_median": _round(
+                median([version_bytes * 8 / r / 1e6 for _, r, _ in arrivals if r > 0])
+            ),
         }
     t_bcast = [float(b["t_bcast_s"]) for b in result.broadcasts if b.get("t_bcast_s") is not None]
     t_train = float(s.get("train_s_mean", 0.0))
@@ -161,6 +215,9 @@ def analyse(result: JobResult) -> dict[str, Any]:
             h: round(b["rx_bytes"] * 8 / result.wall_s / 1e6, 2) for h, b in result.link_bytes.items()
         },
         "relay_drops": {h: {k: v for k, v in c.items() if k.endswith("drops") and v} for h, c in result.relay.items()},
+        # The emulator's own cost, on the cores the job runs on (real-time: it preempts the job).
+        "relay_cpu_s": result.relay_cpu_s,
+        "relay_realtime": result.relay_realtime,
         "weight_path": {a: _weight_counters(st) for a, st in sorted(result.stats.items())},
         "repair_mbytes_sent": round(int(publisher.get("repair_bytes_sent", 0)) / 1e6, 2),
         # The floor (issue 13): repair bytes <= 1.2x the bytes missing when first requested.
@@ -184,8 +241,8 @@ _COUNTERS = (
     "installs", "weight_repair_requests", "weight_chunks_forwarded", "published", "superseded",
     "repair_requests", "repair_chunks_sent", "send_failures", "members_expired", "stream_bytes",
     "weight_missing_bytes", "weight_repair_bytes_requested", "weight_requested_bytes_received", "weight_stream_bytes",
-    "weight_forward_failures",
-    "repair_bytes_sent", "repair_duplicates_dropped",
+    "weight_forward_failures", "weight_versions_finished", "weight_versions_abandoned",
+    "repair_bytes_sent", "repair_duplicates_dropped", "dialed_streams", "max_streams",
 )  # fmt: skip
 
 
@@ -229,8 +286,13 @@ def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe: bool) -> dict[str, Any]:
+def run_condition(
+    condition: Condition, seconds: float, out_dir: Path, *, probe: bool, extra: list[str] | None = None
+) -> dict[str, Any]:
     hosts = bed_hosts(TOPOLOGY, condition.edge)
+    overrides = [*job_overrides(seconds), *(extra or [])]
+    if condition.large_model:
+        overrides.append(f'job.model="{large_model_dir(out_dir)}"')
     outage = condition.outage
     if outage is not None:  # after_s is a fraction of the training time here
         outage = dataclasses.replace(outage, after_s=outage.after_s * seconds)
@@ -241,7 +303,7 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
             TOPOLOGY,
             out_dir / condition.name,
             learner_host=LEARNER_HOST,
-            overrides=job_overrides(seconds),
+            overrides=overrides,
             outage=outage,
             timeout_s=seconds + 240,
         )
@@ -250,8 +312,8 @@ def run_condition(condition: Condition, seconds: float, out_dir: Path, *, probe:
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = [
-        f"{'condition':<12} {'steps':>5} {'idle':>6} {'pred':>6} {'T_bcast':>7} {'pub':>4} "
-        f"{'installed a/b/c':>16} {'back after s':>12} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5} {'repair/missing MB':>17}"
+        f"{'condition':<16} {'steps':>5} {'idle':>6} {'pred':>6} {'T_bcast':>7} {'pub':>4} "
+        f"{'installed a/b/c':>16} {'back acc/trained s':>18} {'goodput Mbit/s a/b/c':>22} {'exit after learner s':>24} {'audit':>5} {'repair/missing MB':>17}"
     ]
     for name, r in rows.items():
         samplers = r["samplers"]
@@ -261,10 +323,12 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
             f"{r['exit_codes'].get(h)}@{_fmt(r['exit_after_learner_s'].get(h))}"
             for h in ("learner", "edge-a", "edge-b", "edge-c")
         )
-        back = r["outage"]["first_trained_after_up_s"] if r["outage"] else None
+        back = "-"
+        if r["outage"]:
+            back = f"{_fmt(r['outage']['first_accepted_after_up_s'])}/{_fmt(r['outage']['first_trained_after_up_s'])}"
         lines.append(
-            f"{name:<12} {r['steps']:>5} {_fmt(r['learner_idle_fraction']):>6} {_fmt(r['predicted_idle_fraction']):>6} "
-            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {_fmt(back):>12} {good:>22} {exits:>24} {r['audit_exit']:>5} "
+            f"{name:<16} {r['steps']:>5} {_fmt(r['learner_idle_fraction']):>6} {_fmt(r['predicted_idle_fraction']):>6} "
+            f"{_fmt(r['t_bcast_s_median']):>7} {r['versions_published']:>4} {inst:>16} {back:>18} {good:>22} {exits:>24} {r['audit_exit']:>5} "
             f"{_fmt(r['repair_mbytes_sent']) + '/' + _fmt(r['missing_mbytes']):>17}"
         )
     return "\n".join(lines)
@@ -283,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-validate", action="store_true", help="skip the emulator's RTT/loss/goodput probes")
     parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/wan-<date>.json)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/echo2-wan"), help="run directories")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a topology override for every condition (as echo2.launch --set), e.g. actors.weight_publisher.config.mode='\"star\"'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if (why := available()) is not None:
         print(f"benchmarks.wan: {why}", file=sys.stderr)
@@ -292,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in args.conditions:
         print(f"benchmarks.wan: {name} ...", file=sys.stderr, flush=True)
-        raw[name] = run_condition(CONDITIONS[name], args.seconds, work, probe=not args.no_validate)
+        load_before = os.getloadavg()
+        raw[name] = run_condition(CONDITIONS[name], args.seconds, work, probe=not args.no_validate, extra=args.set)
         rows[name] = analyse(raw[name]["result"])
+        # The machine is shared: what else ran beside the condition (1-minute averages).
+        rows[name]["load_average_1m"] = [round(load_before[0], 1), round(os.getloadavg()[0], 1)]
         if raw[name]["validation"] is not None:
             print(f"  emulator: {json.dumps(raw[name]['validation'])}", file=sys.stderr)
         print(f"  {json.dumps(rows[name])}", file=sys.stderr, flush=True)
@@ -301,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or REPO_ROOT / "benchmarks" / "results" / f"wan-{time.strftime('%Y-%m-%d')}.json"
     document = {
         "seconds": args.seconds,
+        "overrides": args.set,
         "work_dir": str(work),
         "conditions": {
             name: {"condition": raw[name]["condition"], "validation": raw[name]["validation"], **rows[name]}

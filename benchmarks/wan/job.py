@@ -7,12 +7,13 @@ counters that only telemetry carries), starts every host's launcher in its names
 link down for a while once training has started, waits for the learner's launcher, gives
 the others ``exit_grace_s`` to follow (then SIGTERM: the bed measures, it does not wait
 for ``run.deadline_s``), and returns a ``JobResult``: every launcher's exit code and how
-long after the learner's it exited, the learner's summary, installs per sampler, per-link
+long after the learner finished (its ``summary.json`` written) it exited, the learner's summary, installs per sampler, per-link
 bytes, the relay's drop counters and the audit of all hosts' ledgers together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Sequence
@@ -58,13 +60,18 @@ class Outage:
 class JobResult:
     exit_codes: dict[str, int | None]
     exit_after_learner_s: dict[str, float | None]
-    """Seconds from the learner host's launcher exiting to each launcher's; None: still running at the grace's end."""
+    """Seconds from the learner finishing (``summary.json`` written) to each launcher's
+    exit, the learner host's included; None: still running ``exit_grace_s`` after the
+    learner host's launcher exited."""
     run_dirs: dict[str, Path]
     summary: dict[str, Any]
     installs: dict[str, list[int]]
     """Sampler -> versions it installed, in order."""
     install_times: dict[str, list[tuple[int, float]]]
     """Sampler -> (version, unix seconds it was installed), in order."""
+    arrivals: dict[str, list[tuple[int, float, float]]]
+    """Sampler -> (version, seconds from its manifest to complete, unix seconds it was
+    complete), in order; zeros where the sampler did not measure."""
     published: list[int]
     """Versions the publisher broadcast (its ``broadcast`` records), in order."""
     broadcasts: list[dict[str, Any]]
@@ -74,6 +81,9 @@ class JobResult:
     trained: list[dict[str, Any]]
     link_bytes: dict[str, dict[str, int]]
     relay: dict[str, dict[str, int]]
+    relay_cpu_s: float
+    """CPU seconds the emulator's relay spent during the job (``realtime``: under SCHED_RR)."""
+    relay_realtime: bool
     stats: dict[str, dict[str, Any]]
     """Last statistics record of each sampler and publisher (the observer's)."""
     outage: dict[str, Any] | None
@@ -101,6 +111,7 @@ def run_job(
     outputs = {}
     before = bed.link_bytes()
     relay_before = bed.relay_counters()
+    relay_cpu_before = float(bed.relay_cpu.get("cpu_s", 0.0))
     started = time.monotonic()
     run_name = tomllib.loads(topology.read_text()).get("run", {}).get("name", "echo2")
     for host in hosts:
@@ -115,32 +126,34 @@ def run_job(
             argv += ["--set", override]
         procs[host] = bed.popen(host, argv, stdout=outputs[host], stderr=subprocess.STDOUT)
     learner = procs[learner_host]
+    exits = _ExitTimes(procs)
+    stopped: set[str] = set()  # launchers the bed had to stop
     outage_times: dict[str, Any] | None = None
     try:
         if outage is not None:
             outage_times = _outage(bed, job_dir, learner_host, learner, outage, timeout_s)
         learner.wait(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
         learner_exit = time.monotonic()
-        exit_after: dict[str, float | None] = {learner_host: 0.0}
-        for host, proc in procs.items():
-            if host == learner_host:
-                continue
-            remaining = exit_grace_s - (time.monotonic() - learner_exit)
-            try:
-                proc.wait(timeout=max(0.0, remaining))
-                exit_after[host] = round(time.monotonic() - learner_exit, 2)
-            except subprocess.TimeoutExpired:
-                exit_after[host] = None
-                _stop(proc)
-    finally:
         for proc in procs.values():
-            _stop(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, exit_grace_s - (time.monotonic() - learner_exit)))
+    finally:
+        for host, proc in procs.items():
+            if proc.poll() is None:
+                stopped.add(host)
+                _stop(proc)
         for out in outputs.values():
             out.close()
     wall_s = time.monotonic() - started
     after = bed.link_bytes()
     relay_after = bed.relay_counters()
     run_dirs = {host: _only_run_dir(job_dir / host) for host in hosts}
+    summary = RunDir(run_dirs[learner_host]).summary_path
+    finished = summary.stat().st_mtime if summary.exists() else None  # the learner's last act
+    exited = exits.wall_times()
+    exit_after = {
+        host: None if host in stopped or finished is None else round(exited[host] - finished, 2) for host in hosts
+    }
     return _collect(
         run_dirs,
         learner_host,
@@ -148,9 +161,36 @@ def run_job(
         exit_after=exit_after,
         link_bytes={h: {k: after[h][k] - before[h][k] for k in after[h]} for h in after},
         relay={h: {k: relay_after[h][k] - relay_before[h][k] for k in relay_after[h]} for h in relay_after},
+        relay_cpu_s=round(float(bed.relay_cpu.get("cpu_s", 0.0)) - relay_cpu_before, 2),
+        relay_realtime=bool(bed.relay_cpu.get("realtime", False)),
         outage=outage_times,
         wall_s=wall_s,
     )
+
+
+class _ExitTimes:
+    """When each launcher exited (wall clock, as ``summary.json``'s mtime): one waiting
+    thread per launcher, so an edge that exits while the bed is busy elsewhere (an outage's
+    schedule) is timed when it exits, not when the bed looks."""
+
+    def __init__(self, procs: dict[str, subprocess.Popen[Any]]) -> None:
+        self._at: dict[str, float] = {}
+        self._threads = [
+            threading.Thread(target=self._wait, args=(host, proc), name=f"exit:{host}", daemon=True)
+            for host, proc in procs.items()
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _wait(self, host: str, proc: subprocess.Popen[Any]) -> None:
+        proc.wait()
+        self._at[host] = time.time()
+
+    def wall_times(self) -> dict[str, float]:
+        """Once every launcher has exited (the bed stops those that do not)."""
+        for thread in self._threads:
+            thread.join()
+        return dict(self._at)
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
@@ -208,6 +248,8 @@ def _collect(
     exit_after: dict[str, float | None],
     link_bytes: dict[str, dict[str, int]],
     relay: dict[str, dict[str, int]],
+    relay_cpu_s: float,
+    relay_realtime: bool,
     outage: dict[str, Any] | None,
     wall_s: float,
 ) -> JobResult:
@@ -216,11 +258,18 @@ def _collect(
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     installs: dict[str, list[int]] = {}
     install_times: dict[str, list[tuple[int, float]]] = {}
+    arrivals: dict[str, list[tuple[int, float, float]]] = {}
     stats: dict[str, dict[str, Any]] = {}
     for record in learner_run.metrics(OBSERVER):
         if record["kind"] == "install":
             installs.setdefault(record["sampler"], []).append(int(record["version"]))
             install_times.setdefault(record["sampler"], []).append((int(record["version"]), float(record["unix_s"])))
+            arrival = (
+                int(record["version"]),
+                float(record.get("received_s", 0.0)),
+                float(record.get("complete_unix_s", 0.0)),
+            )
+            arrivals.setdefault(record["sampler"], []).append(arrival)
         elif record["kind"] == "stats":
             stats[record["actor"]] = record
     broadcasts = [r for run in run_dirs.values() for r in RunDir(run).all_metrics("broadcast")]
@@ -235,6 +284,7 @@ def _collect(
         summary=summary,
         installs=installs,
         install_times=install_times,
+        arrivals=arrivals,
         published=[int(b["version"]) for b in broadcasts],
         broadcasts=broadcasts,
         step_unix_s={int(r["step"]): float(r["unix_s"]) for r in steps},
@@ -242,6 +292,8 @@ def _collect(
         trained=trained,
         link_bytes=link_bytes,
         relay=relay,
+        relay_cpu_s=relay_cpu_s,
+        relay_realtime=relay_realtime,
         stats=stats,
         outage=outage,
         audit=_audit(list(run_dirs.values())),
@@ -250,20 +302,16 @@ def _collect(
 
 
 def _audit(run_dirs: list[Path]) -> dict[str, Any]:
-    """``python -m echo2.audit`` over every host's run directory that has a ledger."""
-    with_ledger = [d for d in run_dirs if RunDir(d).ledger_dir.is_dir()]
+    """``python -m echo2.audit`` over every host's run directory (one without a ledger is
+    listed in its report)."""
     done = subprocess.run(
-        [sys.executable, "-m", "echo2.audit", "--json", *map(str, with_ledger)], capture_output=True, text=True
+        [sys.executable, "-m", "echo2.audit", "--json", *map(str, run_dirs)], capture_output=True, text=True
     )
     try:
         report = json.loads(done.stdout)
     except ValueError:
         report = {"error": (done.stdout + done.stderr).strip()[-500:]}
-    return {
-        "exit_code": done.returncode,
-        "without_ledger": [str(d) for d in run_dirs if d not in with_ledger],
-        "report": report,
-    }
+    return {"exit_code": done.returncode, "without_ledger": report.get("without_ledger", []), "report": report}
 
 
 def median(values: Sequence[float]) -> float | None:

@@ -1,12 +1,18 @@
 """The WAN test bed's network: namespaces, veths, a switch, rate caps, delay and loss per link.
 
 One network namespace per host and one for the switch. Each host has one link: a veth pair
-whose host end is ``eth0`` (the host's address, /24) and whose switch end is ``p-<index>``.
+whose host end is ``eth0`` (the host's address, /24, or /64 for an IPv6 address) and whose
+switch end is ``p-<index>``. A host behind NAT (``nat``: name -> private address) sits in
+its namespace with only that private address, behind a router namespace
+(``<prefix>-<name>-nat``) that holds the link and the public address: nftables masquerades
+what leaves and drops every connection that does not (no forwarded port), as a home router
+does.
 Frames cross the switch through ``relay.py`` (one-way delay and Bernoulli loss per link and
 direction, total outages on command); rate caps are kernel tbf qdiscs on both ends of a
 link (the host's egress: its uplink; the switch port's egress: its downlink). ARP is
-replaced by permanent neighbour entries and IPv6 is off, so the only frames on a link are
-the hosts' IPv4 traffic, and offloads (TSO, GSO, GRO, checksum) are off on every veth so
+replaced by permanent neighbour entries (IPv6's neighbour discovery too, and duplicate
+address detection is off) and IPv6 is off unless a host has an IPv6 address, so the only
+frames on a link are the hosts' traffic, and offloads (TSO, GSO, GRO, checksum) are off on every veth so
 every frame the relay sees is one wire packet.
 
 A path's one-way delay is the sum of its two links' (edge -> learner: the edge's plus the
@@ -68,10 +74,27 @@ class HostNet:
 
     name: str
     namespace: str
+    """Where its processes run."""
     address: str
+    """Its address on the switch (the public one, behind NAT)."""
     mac: str
     switch_port: str
     shape: LinkShape
+    private: str = ""
+    """Behind NAT: the only address its namespace has (the router holds ``address``)."""
+
+    @property
+    def link_namespace(self) -> str:
+        """The namespace at the switch end of its link: its router's behind NAT."""
+        return f"{self.namespace}-nat" if self.private else self.namespace
+
+    @property
+    def ipv6(self) -> bool:
+        return ":" in self.address
+
+    @property
+    def prefix_len(self) -> int:
+        return 64 if self.ipv6 else 24
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -99,6 +122,13 @@ def remove_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     return stale
 
 
+def nat_available() -> str | None:
+    """Why the bed cannot put a host behind NAT here, or None if it can."""
+    if shutil.which("nft") is None:
+        return "a NAT'd host in the WAN test bed needs the 'nft' command (apt-get install nftables)"
+    return None
+
+
 def available() -> str | None:
     """Why the bed cannot run here, or None if it can."""
     if os.geteuid() != 0:
@@ -124,17 +154,27 @@ class Bed:
         prefix: str = DEFAULT_PREFIX,
         congestion_control: str = "",
         seed: int = 0,
+        nat: Mapping[str, str] | None = None,
+        sysctls: Mapping[str, str] | None = None,
     ) -> None:
-        """``hosts``: name -> (IPv4 address, link shape); all addresses in one /24."""
+        """``hosts``: name -> (address, link shape); all IPv4 addresses in one /24, all
+        IPv6 ones in one /64. ``nat``: hosts behind NAT -> their private IPv4 address (a
+        /24 of its own, the router at .1). ``sysctls``: set in every host's namespace (a
+        host's own tuning, e.g. ``net.ipv4.tcp_slow_start_after_idle``)."""
         self.prefix = prefix
         self.switch = f"{prefix}-sw"
         self.congestion_control = congestion_control
+        self.sysctls = dict(sysctls or {})
         self.seed = seed
         self.hosts: dict[str, HostNet] = {}
         for index, (name, (address, shape)) in enumerate(hosts.items()):
             mac = "02:77:00:00:00:%02x" % (index + 1)
-            self.hosts[name] = HostNet(name, f"{prefix}-{name}", address, mac, f"p-{index}", shape)
+            private = (nat or {}).get(name, "")
+            self.hosts[name] = HostNet(name, f"{prefix}-{name}", address, mac, f"p-{index}", shape, private)
         self._relay: subprocess.Popen[str] | None = None
+        self.relay_cpu: dict[str, Any] = {}
+        """The relay's ``cpu_s`` (CPU seconds since it started) and ``realtime`` (SCHED_RR),
+        as of the last ``relay_counters``."""
         self._processes: list[subprocess.Popen[Any]] = []
         self._closed = True
 
@@ -169,20 +209,25 @@ class Bed:
         self.stop_relay()
         for ns in [self.switch, *(h.namespace for h in self.hosts.values())]:
             _ip("netns", "del", ns, check=False)
+        for host in self.hosts.values():
+            if host.private:
+                _ip("netns", "del", host.link_namespace, check=False)
         atexit.unregister(self.close)
         with contextlib.suppress(ValueError, TypeError):  # not the main thread
             signal.signal(signal.SIGTERM, self._previous_sigterm)
 
     def _build(self) -> None:
+        ipv6 = any(h.ipv6 for h in self.hosts.values())
         _ip("netns", "add", self.switch)
         self._exec(self.switch, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
         _ip("-n", self.switch, "link", "set", "lo", "up")
         for host in self.hosts.values():
-            ns = host.namespace
-            _ip("netns", "add", ns)
-            self._exec(ns, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"])
-            if self.congestion_control:
-                self._exec(ns, ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.congestion_control}"])
+            namespaces = [host.namespace, *([host.link_namespace] if host.private else [])]
+            for ns in namespaces:
+                _ip("netns", "add", ns)
+                self._sysctls(ns, ipv6=ipv6 and not host.private)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            ns = host.link_namespace
             _ip(
                 "link",
                 "add",
@@ -198,30 +243,67 @@ class Bed:
                 ns,
             )
             _ip("-n", ns, "link", "set", "eth0", "address", host.mac)
-            _ip("-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _ip(
+                "-n",
+                ns,
+                "addr",
+                "add",
+                f"{host.address}/{host.prefix_len}",
+                "dev",
+                "eth0",
+                *(["nodad"] if host.ipv6 else []),
+            )
             for name, link_ns in (("eth0", ns), (host.switch_port, self.switch)):
                 self._exec(link_ns, [sys.executable, "-m", "benchmarks.wan.netbed", "offloads", name])
                 _ip("-n", link_ns, "link", "set", name, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
             if host.shape.rate_mbit > 0:
                 for dev, link_ns in (("eth0", ns), (host.switch_port, self.switch)):
                     self._tbf(link_ns, dev, host.shape)
+            if host.private:
+                self._nat(host)
         for host in self.hosts.values():
             for other in self.hosts.values():
-                if other is not host:
-                    _ip(
-                        "-n",
-                        host.namespace,
-                        "neigh",
-                        "replace",
-                        other.address,
-                        "lladdr",
-                        other.mac,
-                        "nud",
-                        "permanent",
-                        "dev",
-                        "eth0",
-                    )
+                if other is not host and other.ipv6 == host.ipv6:
+                    family = ["-6"] if host.ipv6 else []
+                    _ip(*family, "-n", host.link_namespace, "neigh", "replace", other.address, "lladdr", other.mac,
+                        "nud", "permanent", "dev", "eth0")  # fmt: skip
+
+    def _sysctls(self, ns: str, *, ipv6: bool) -> None:
+        settings = [f"net.ipv6.conf.all.disable_ipv6={0 if ipv6 else 1}"]
+        if ipv6:  # addresses usable at once; no router solicitations on the links
+            settings += ["net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0",
+                         "net.ipv6.conf.default.router_solicitations=0"]  # fmt: skip
+        if self.congestion_control:
+            settings.append(f"net.ipv4.tcp_congestion_control={self.congestion_control}")
+        settings += [f"{key}={value}" for key, value in self.sysctls.items()]
+        self._exec(ns, ["sysctl", "-qw", *settings])
+
+    def _nat(self, host: HostNet) -> None:
+        """``host`` behind a router: a LAN veth to it, masquerade out, nothing in."""
+        router, private = host.link_namespace, host.private
+        gateway = private.rsplit(".", 1)[0] + ".1"
+        _ip("link", "add", "lan0", "netns", router, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+        _ip("-n", router, "addr", "add", f"{gateway}/24", "dev", "lan0")
+        _ip("-n", host.namespace, "addr", "add", f"{private}/24", "dev", "eth0")
+        for name, link_ns in (("lan0", router), ("eth0", host.namespace)):
+            self._exec(link_ns, [sys.executable, "-m", "benchmarks.wan.netbed", "offloads", name])
+            _ip("-n", link_ns, "link", "set", name, "up")
+        _ip("-n", host.namespace, "route", "add", "default", "via", gateway)
+        self._exec(router, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        rules = (
+            "table ip echo2nat {\n"
+            '  chain postrouting { type nat hook postrouting priority srcnat; oifname "eth0" masquerade; }\n'
+            "  chain forward { type filter hook forward priority filter; policy drop;\n"
+            '    ct state established,related accept; iifname "lan0" accept; }\n'
+            "  chain input { type filter hook input priority filter; policy accept;\n"
+            '    iifname "eth0" ct state new drop; }\n'
+            "}\n"
+        )
+        done = subprocess.run(
+            ["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"in {router}: nft: {done.stderr.strip()}")
 
     def _tbf(self, ns: str, dev: str, shape: LinkShape) -> None:
         rate_bytes = shape.rate_mbit * 1e6 / 8
@@ -281,8 +363,10 @@ class Bed:
             raise RuntimeError(f"relay: {reply.strip()}")
 
     def relay_counters(self) -> dict[str, dict[str, int]]:
-        """Per host link: frames and bytes into and out of the switch, and drops by cause."""
-        counters: dict[str, dict[str, int]] = json.loads(self._relay_command("stats"))
+        """Per host link: frames and bytes into and out of the switch, and drops by cause.
+        The relay's own CPU seconds so far and whether it runs real-time go to ``relay_cpu``."""
+        counters: dict[str, dict[str, Any]] = json.loads(self._relay_command("stats"))
+        self.relay_cpu = counters.pop("relay", {})
         return counters
 
     def stop_relay(self) -> dict[str, dict[str, int]] | None:
@@ -297,7 +381,8 @@ class Bed:
             return None
         for line in out.splitlines():
             if line.startswith('{"final"'):
-                final: dict[str, dict[str, int]] = json.loads(line)["final"]
+                final: dict[str, dict[str, Any]] = json.loads(line)["final"]
+                self.relay_cpu = final.pop("relay", {})
                 return final
         return None
 
@@ -372,7 +457,17 @@ def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
     return bool(predicate())
 
 
-__all__ = ["DEFAULT_PREFIX", "Bed", "HostNet", "LinkShape", "available", "disable_offloads", "remove_stale", "wait_for"]
+__all__ = [
+    "DEFAULT_PREFIX",
+    "Bed",
+    "HostNet",
+    "LinkShape",
+    "available",
+    "disable_offloads",
+    "nat_available",
+    "remove_stale",
+    "wait_for",
+]
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))

@@ -4,7 +4,8 @@ Sampler installs (``WeightsInstalled``) and the actors' statistics travel only o
 telemetry channel, which nothing writes to the run directory. This actor binds one more
 telemetry SUB (every process's heartbeat publisher connects to every telemetry binder, so
 adding it takes no change to echo2) and writes to ``metrics/<name>.jsonl``: every install
-(``install``: sampler, version, incarnation, time_s) and, at most every ``stats_every_s`` per
+(``install``: sampler, version, incarnation, unix_s, and how long the version took from its
+manifest to complete, ``received_s``, and when it was complete, ``complete_unix_s``) and, at most every ``stats_every_s`` per
 actor, the statistics of each sampler and weight publisher (``stats``: actor, the record).
 """
 
@@ -58,6 +59,8 @@ class WanObserver(Actor):
                         version=message.version,
                         incarnation=message.incarnation,
                         unix_s=message.time_s,
+                        received_s=message.received_s,
+                        complete_unix_s=message.complete_time_s,
                     )
                 elif isinstance(message, Heartbeat):
                     self._record_stats(message)

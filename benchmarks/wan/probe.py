@@ -4,18 +4,23 @@
     python -m benchmarks.wan.probe udp-ping HOST PORT COUNT GAP_MS
     python -m benchmarks.wan.probe tcp-sink PORT                 # server: one connection
     python -m benchmarks.wan.probe tcp-send HOST PORT SECONDS
+    python -m benchmarks.wan.probe tcp-multi-sink PORT              # server: many connections
+    python -m benchmarks.wan.probe tcp-multi-send HOST PORT SECONDS STREAMS
 
 Clients print one JSON line. ``udp-ping`` sends COUNT numbered datagrams GAP_MS apart and
 reports the median and 90th percentile round trip of those that came back and the fraction
 lost (a probe is lost if either direction drops it). ``tcp-send`` writes for SECONDS and
 reports the bytes the receiver acknowledged reading (the sink answers with its count), so
-the figure is goodput, not what sat in socket buffers.
+the figure is goodput, not what sat in socket buffers. ``tcp-multi-send`` does the same
+over STREAMS parallel connections (one thread, non-blocking sockets) and reports the
+aggregate and the per-stream spread: how many loss-bound streams fill a link.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import selectors
 import socket
 import statistics
 import struct
@@ -96,6 +101,82 @@ def tcp_send(host: str, port: int, seconds: float) -> dict[str, float]:
     return {"bytes": received, "seconds": elapsed, "goodput_mbit": received * 8 / elapsed / 1e6, "cc": cc}
 
 
+def tcp_multi_sink(port: int) -> None:
+    """Read and discard whatever any number of connections send, until killed."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("0.0.0.0", port))
+        server.listen(1024)
+        server.setblocking(False)
+        print("ready", flush=True)
+        buf = bytearray(1 << 18)
+        with selectors.DefaultSelector() as sel:
+            sel.register(server, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is server:
+                        conn, _ = server.accept()
+                        conn.setblocking(False)
+                        sel.register(conn, selectors.EVENT_READ)
+                        continue
+                    try:
+                        n = sock.recv_into(buf)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        n = 0
+                    if not n:
+                        sel.unregister(sock)
+                        sock.close()
+
+
+_ACKED = struct.Struct("<120xQ")  # struct tcp_info: tcpi_bytes_acked
+
+
+def _bytes_acked(sock: socket.socket) -> int:
+    return int(_ACKED.unpack(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _ACKED.size))[0])
+
+
+def tcp_multi_send(host: str, port: int, seconds: float, streams: int) -> dict[str, Any]:
+    """Keep ``streams`` connections busy for ``seconds``; goodput is what the receiver
+    acknowledged over the last 3/4 of the time (after slow start), by the kernel's count."""
+    block = memoryview(b"\0" * (1 << 16))
+    socks = [socket.create_connection((host, port), timeout=30) for _ in range(streams)]
+    cc = socks[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+    warm: list[int] = []
+    with selectors.DefaultSelector() as sel:
+        for sock in socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 1 << 17)
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_WRITE)
+        start = time.monotonic()
+        warm_at = start + seconds / 4
+        while (left := seconds - (time.monotonic() - start)) > 0:
+            if not warm and time.monotonic() >= warm_at:
+                warm, warm_at = [_bytes_acked(s) for s in socks], time.monotonic()
+            for key, _ in sel.select(min(left, 0.05)):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                with contextlib.suppress(BlockingIOError):
+                    sock.send(block)
+        acked = [_bytes_acked(s) - w for s, w in zip(socks, warm, strict=True)]
+        elapsed = time.monotonic() - warm_at
+    for sock in socks:
+        sock.close()
+    per_stream = sorted(n * 8 / elapsed / 1e6 for n in acked)
+    return {
+        "streams": streams,
+        "seconds": round(elapsed, 2),
+        "goodput_mbit": sum(acked) * 8 / elapsed / 1e6,
+        "per_stream_mbit_median": statistics.median(per_stream),
+        "per_stream_mbit_min": per_stream[0],
+        "per_stream_mbit_max": per_stream[-1],
+        "cc": cc,
+    }
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -116,6 +197,10 @@ def main(argv: list[str]) -> int:
             tcp_sink(int(port))
         case ["tcp-send", host, port, seconds]:
             print(json.dumps(tcp_send(host, int(port), float(seconds))), flush=True)
+        case ["tcp-multi-sink", port]:
+            tcp_multi_sink(int(port))
+        case ["tcp-multi-send", host, port, seconds, streams]:
+            print(json.dumps(tcp_multi_send(host, int(port), float(seconds), int(streams))), flush=True)
         case _:
             print(__doc__, file=sys.stderr)
             return 2
@@ -187,3 +272,30 @@ def validate(
         "tcp_goodput_mbit": goodput["goodput_mbit"],
         "tcp_congestion_control": goodput["cc"],
     }
+
+
+def stream_sweep(
+    bed: Bed, server: str, client: str, counts: list[int], *, seconds: float = 8.0
+) -> list[dict[str, Any]]:
+    """Aggregate TCP goodput ``server -> client`` over each number of parallel streams in
+    ``counts``, one after the other (what the weight path's stream count is chosen from)."""
+    a, b = bed.hosts[server], bed.hosts[client]
+    rows = []
+    for count in counts:
+        relay_before = bed.relay_counters()
+        sink = _start_server(bed, client, ["tcp-multi-sink", "9903"])
+        try:
+            done = subprocess.run(
+                ["ip", "netns", "exec", a.namespace, sys.executable, "-m", "benchmarks.wan.probe", "tcp-multi-send",
+                 b.address, "9903", str(seconds), str(count)],
+                capture_output=True, text=True, check=True, cwd=REPO_ROOT, env=bed.env(),
+            )  # fmt: skip
+        finally:
+            _stop_server(sink)
+        relay_after = bed.relay_counters()
+        drops = {
+            host: {k: relay_after[host][k] - relay_before[host][k] for k in ("loss_drops", "queue_drops", "rx_frames")}
+            for host in (server, client)
+        }
+        rows.append({**json.loads(done.stdout), "relay": drops})
+    return rows

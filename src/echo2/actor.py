@@ -80,6 +80,16 @@ class PortAddresses(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     curve_clients: tuple[str, ...] = ()
     """A CURVE server's admitted clients: the hosts whose keys may connect; () admits every
     allowed key (a port that untrusted workers use, ``Actor.trusted``)."""
+    stream_bind: str = ""
+    """A chunk-stream listener the actor opens beside this port (``echo2.weights.stream``:
+    a sampler's relay inbox, the weight publisher's dial-in listener): the tcp URL it
+    binds, a fixed port of its host's range; "" none, or an ephemeral port."""
+    stream_announce: str = ""
+    """The tcp URL peers on other hosts reach ``stream_bind`` at (its host's ``address``)."""
+    stream_dial: tuple[str, ...] = ()
+    """Per connect URL, the binder's chunk-stream listener to dial: set when this actor's
+    host accepts no inbound connection (``[hosts] inbound = false``), so its chunks come
+    down connections it opens."""
 
 
 class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -98,6 +108,10 @@ class Actor:
     """False if a process the launcher restarts (``restart = "on-failure"``) would run this
     actor over from nothing while its peers carry on (the Learner: step 0); the setting is
     then refused at topology load for its process."""
+    torchrun: ClassVar[bool] = False
+    """True for an actor that trains across ranks (the ``distributed_learner``): the launcher
+    starts its process under torchrun (``[processes.NAME] nproc_per_node``, ``nnodes``), rank 0
+    running the process's actors (``echo2.launch.torchrun``)."""
     trusted: ClassVar[bool] = True
     """False for an actor the job's owner may not control (a Sampler on a rented or
     volunteered machine). With CURVE on, a port such an actor connects to admits every
@@ -191,6 +205,10 @@ class ActorContext:
         """Under ``[security]`` (CURVE on): weight versions are sealed and chunk streams
         admit only the plan's members (``echo2.weights.seal``, ``echo2.weights.stream``)."""
         return self._curve is not None
+
+    def addresses(self, port: str) -> PortAddresses:
+        """The resolved addresses of a declared port (empty ones where none were derived)."""
+        return self._ports.get(port, PortAddresses())
 
     def has_peers(self, port: str) -> bool:
         addresses = self._ports.get(port)
@@ -294,6 +312,29 @@ async def run_until_stopped(stopping: asyncio.Event, *loops: Coroutine[Any, Any,
             running = pending - {stop}
         for task in (*tasks, stop):
             task.cancel()
+
+
+STATS_RECORD_KIND = "stats"
+"""``kind`` of the metrics lines ``record_statistics`` writes."""
+
+
+async def record_statistics(actor: Actor, every_s: float) -> None:
+    """Write ``actor.statistics()`` to its metrics file (``kind = "stats"``: the record's
+    ``type`` and fields) every ``every_s`` seconds, and once more when cancelled, as the
+    actor stops: counters that only heartbeats carried stay in the run directory. A loop
+    for ``run_until_stopped``."""
+    try:
+        while True:
+            await asyncio.sleep(every_s)  # a timer: the records are periodic
+            _record_statistics(actor)
+    finally:
+        _record_statistics(actor)
+
+
+def _record_statistics(actor: Actor) -> None:
+    stats = actor.statistics()
+    if isinstance(stats, Statistics):
+        actor.ctx.record(STATS_RECORD_KIND, **msgspec.to_builtins(stats))
 
 
 T = TypeVar("T")

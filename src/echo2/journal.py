@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -142,7 +142,11 @@ class Journal(Generic[R, S]):
         assert self._fd is not None, "Journal.open() first"
         body = self._encoder.encode(record)
         frame = _LENGTH.pack(len(body)) + body
-        os.write(self._fd, frame)
+        written = os.write(self._fd, frame)
+        while written < len(frame):
+            # A short write (the disk filled up mid-record): the next write raises, and the
+            # torn record is cut off at the next open.
+            written += os.write(self._fd, memoryview(frame)[written:])
         if self.fsync == "always":
             os.fsync(self._fd)
         self.records_written += 1
@@ -163,6 +167,27 @@ class Journal(Generic[R, S]):
         os.close(self._fd)
         self.log_path(self._generation).unlink(missing_ok=True)
         self._fd, self._generation = new_fd, generation
+
+    @classmethod
+    def resumed(
+        cls,
+        directory: Path,
+        name: str,
+        record_type: Any,
+        state_type: type[S],
+        *,
+        fsync: FsyncPolicy,
+        resume: bool,
+        warn: Callable[[str], None],
+        otherwise: str,
+    ) -> tuple[Journal[R, S], S | None, list[R]]:
+        """An actor's journal, opened: (journal, snapshot, records). On ``--resume`` (``resume``)
+        a missing journal is said with ``warn``: ``--resume: no journal of NAME in DIR; OTHERWISE``."""
+        journal: Journal[R, S] = cls(directory, name, record_type, state_type, fsync=fsync)
+        if resume and not journal.exists():
+            warn(f"--resume: no journal of {name} in {directory}; {otherwise}")
+        state, records = journal.open()
+        return journal, state, records
 
     def close(self) -> None:
         if self._fd is not None:

@@ -22,6 +22,8 @@ event              writer          meaning
 ``lease_expired``  Buffer          the lease's deadline passed with nothing stored
 ``lease_closed``   PromptSource    the lease was settled (the Buffer's outcome)
 ``task_abandoned`` PromptSource    a task expired ``max_attempts`` times and is given up
+``outstanding``    PromptSource    the run stopped while the task was leased (``lease``) or
+                                   queued for re-issue (``lease`` 0): not lost, unfinished
 ``handed``         Buffer          a stored group went to the learner in a batch
 ``requeued``       Buffer          a group handed to a crashed learner went back in the store
 ``trained``        Learner         a group was trained (after its step committed)
@@ -114,6 +116,13 @@ class TaskAbandoned(LedgerEvent, frozen=True):
     attempts: int
 
 
+class Outstanding(LedgerEvent, frozen=True):
+    task: str
+    lease: int = 0
+    """The open lease; 0 when the task waited in the re-issue queue."""
+    attempt: int = 0
+
+
 class Handed(LedgerEvent, frozen=True):
     task: str
     version: int
@@ -170,6 +179,7 @@ AnyLedgerEvent = (
     | LeaseExpired
     | LeaseClosed
     | TaskAbandoned
+    | Outstanding
     | Handed
     | Requeued
     | Trained
@@ -225,6 +235,28 @@ def read(run_dirs: Sequence[Path]) -> LedgerContents:
             except msgspec.ValidationError as exc:
                 contents.unknown_lines.append(f"{path}:{number}: {exc}")
     return contents
+
+
+def tail(path: Path, max_bytes: int = 1 << 18) -> list[AnyLedgerEvent]:
+    """The events in the last ``max_bytes`` of one ledger file, oldest first (a first line
+    cut by the window, and lines that are no event, are left out)."""
+    if not path.is_file():
+        return []
+    with open(path, "rb") as file:
+        size = file.seek(0, 2)
+        file.seek(max(0, size - max_bytes))
+        data = file.read()
+    lines = data.split(b"\n")
+    if size > max_bytes:
+        lines = lines[1:]
+    events: list[AnyLedgerEvent] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            events.append(msgspec.convert(record, AnyLedgerEvent))
+        except (ValueError, msgspec.ValidationError):
+            continue  # empty, cut, or not an event
+    return events
 
 
 def ledger_files(run_dirs: Sequence[Path]) -> Iterator[Path]:

@@ -31,6 +31,9 @@ PROTOCOL_VERSION = 1
 # -- protocol constants ------------------------------------------------------------------
 
 TELEMETRY_CHANNEL = "telemetry"
+WEIGHTS_CHANNEL = "weights"
+"""The channel weight receivers (DEALER) and the weight publisher (ROUTER) meet on; its
+members also reach each other's chunk-stream listeners (``PortAddresses.stream_bind``)."""
 """The channel every process publishes heartbeats on (PUB -> the SUB that binds it)."""
 HEARTBEAT_TOPIC = b"hb|"
 """Topic frame of ``Heartbeat`` on the telemetry channel (topics end in ``|``: SUB matches prefixes)."""
@@ -261,6 +264,9 @@ class JoinPort(msgspec.Struct, frozen=True, kw_only=True):
 
     connect: list[str] = []
     curve_servers: list[str] = []
+    stream_dial: list[str] = []
+    """Per connect URL, the chunk-stream listener to dial for weights (the ``weights``
+    port: a joined sampler receives weights over connections it opens)."""
 
 
 class JoinInfo(Message, frozen=True):
@@ -354,6 +360,14 @@ class SamplerStats(Statistics, frozen=True):
     weight_forward_failures: int = 0
     """Successors skipped for a version: their stream took no byte in the forward timeout,
     or could not be opened."""
+    work_states: int = 0
+    """Work states sent (``WorkRequest`` with ``max_leases``: ``echo2.actors.work_state``)."""
+    work_restates_for_loss: int = 0
+    """Of those, sent at once because leases a grant said were on their way never came."""
+    weight_versions_finished: int = 0
+    """Versions finished before a newer one that arrived meanwhile (``WeightReceiver``)."""
+    weight_versions_abandoned: int = 0
+    """Versions given up while finishing them (the publisher had moved on)."""
     installed_version: int = -1
     generate_s: float = 0.0
     """Seconds spent generating (the denominator of the scheduler's mu_i)."""
@@ -420,6 +434,11 @@ class PromptSourceStats(Statistics, frozen=True):
     """Samplers given no more leases (repeated rejections); see the ``quarantined`` ledger event."""
     leases_withheld_old_version: int = 0
     """Times a sampler with credit was passed over because its installed version is too old."""
+    leases_lost_in_transit: int = 0
+    """Leases a sampler's work state showed it never received (sent before a grant it
+    acknowledged: lost with a torn connection), re-issued at once."""
+    work_states: int = 0
+    """Work states (``WorkRequest`` with ``max_leases``) reconciled."""
     samplers_left: int = 0
     """Samplers that said ``Goodbye`` (left a run that goes on)."""
     leases_returned_on_leaving: int = 0
@@ -487,10 +506,22 @@ class PublisherStats(Statistics, frozen=True):
     delta_dense_requests: int = 0
     """Members that asked for the dense form of a delta version (base lost, rebuild failed)."""
     members: int = 0
+    dialed_streams: int = 0
+    """Chunk-stream connections dialed in by members that accept none (``echo2.weights.dial``)."""
+    max_streams: int = 0
+    """Most parallel chunk streams open to one member now (``echo2.weights.lanes``)."""
     uplink_bytes: int = 0
     latest_version: int = -1
     t_bcast_s: float = -1.0
-    """Last measured broadcast time (publication to ceil(active / gamma) installs); -1: none yet."""
+    """Broadcast time (publication to ceil(active / gamma) installs): the median of the
+    recent versions that reached it, or, when recent versions stop short of it (superseded,
+    slow members), the longest one streamed without reaching it (a lower bound:
+    ``t_bcast_lower_bound``); -1: none yet."""
+    t_bcast_lower_bound: bool = False
+    held: int = 0
+    """Times a newer snapshot waited for the version in flight to land (adaptive publication)."""
+    broadcast_bound: bool = False
+    """T_bcast exceeds kappa x T_train: broadcast, not training, sets the pace."""
     refused_subscribers: dict[str, int] = {}
     """``WeightSubscribe`` claims to a name refused, by ``RefusalReason``."""
     unbound_dropped: dict[str, int] = {}
@@ -589,19 +620,60 @@ class MetricsRecord(Message, frozen=True):
 
 
 class WorkRequest(Message, frozen=True):
-    """A sampler grants ``credits`` more tasks of work (credit-based flow control), and says
-    which policy version it has installed ((-1, -1): none). A sampler whose installed
-    version is older than the staleness bound admits is given no leases until it reports a
-    newer one (``credits = 0`` reports an install without asking for more work)."""
+    """A sampler asks for work (credit-based flow control) and says which policy version it
+    has installed ((-1, -1): none). A sampler whose installed version is older than the
+    staleness bound admits is given no leases until it reports a newer one.
+
+    Two forms. With ``max_leases >= 0`` it is a *work state*, idempotent: the sampler states
+    how many leases it can hold (``max_leases``), the leases it holds (``held``: received, not
+    yet answered) and the ones it answered lately (``submitted``); the PromptSource sets its
+    credit to ``max_leases`` minus what it holds, re-issues at once the leases it sent that
+    the sampler never received, and answers with ``WorkGrant(sync)``. ``acked`` names the
+    last ``WorkGrant`` received: every lease sent before it has arrived or was lost, so
+    only those are judged lost. A lost state or grant is repaired by the next state; a
+    sampler sends one after each batch, each install, and every few seconds while it holds
+    fewer than ``max_leases``. With ``max_leases = -1`` (the older form) ``credits`` more leases
+    are granted, adding up; a request lost with a torn connection stays lost."""
 
     sampler_id: str
-    credits: int
+    credits: int = 0
     incarnation: int = -1
     installed_version: int = -1
+    max_leases: int = -1
+    """Leases this sampler can hold at once (-1: the older form: ``credits`` adds up)."""
+    held: list[int] = []
+    """Lease ids received and not yet answered (being generated or queued)."""
+    submitted: list[int] = []
+    """Lease ids answered lately (their groups may still be on their way): not lost."""
+    sync: int = 0
+    """This state's number, increasing per connection; the ``WorkGrant`` echoes it."""
+    acked: int = 0
+    """``sync`` of the last ``WorkGrant`` this sampler received (0: none yet)."""
+
+    @property
+    def states_work(self) -> bool:
+        return self.max_leases >= 0
 
     @property
     def installed(self) -> PolicyVersion:
         return PolicyVersion(self.incarnation, self.installed_version)
+
+
+class WorkGrant(Message, frozen=True):
+    """PromptSource -> sampler on ``tasks``: the answer to a work state (``WorkRequest`` with
+    ``max_leases``). Every lease sent before it on this connection has arrived before it.
+
+    ``credits`` leases follow (unless the window is full); ``pending`` leases were counted
+    as on their way when the state was judged (sent after the grant it acknowledged): a
+    sampler that received fewer than ``pending`` leases between its state and this grant
+    lost some, and says its state again at once (acknowledging this grant) so that they are
+    re-issued. ``reissued``: leases judged lost by this state, re-issued to anyone."""
+
+    server_id: str
+    sync: int
+    credits: int
+    pending: int = 0
+    reissued: int = 0
 
 
 class TaskLease(Message, frozen=True):
@@ -827,6 +899,9 @@ class LearnerProgress(Message, frozen=True):
     """Rollouts each sampler has had stored, cumulative (the scheduler's mu_i)."""
     incarnation: int = 0
     """The learner's incarnation (admission rejects versions of a later one)."""
+    buffer_incarnation: int = 0
+    """The Buffer's own incarnation (one more per restart of its process or resume; 0
+    without a journal): counters of a later one supersede an earlier one's."""
 
 
 class LeaseClosed(Message, frozen=True):
@@ -884,6 +959,16 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
+class LoraAdapter(msgspec.Struct, frozen=True):
+    """A version that is a LoRA adapter on the base model every member already serves
+    (``echo2.models.adapters``): its tensors are ``<module>.lora_A.weight`` (rank x in)
+    and ``<module>.lora_B.weight`` (out x rank) per adapted linear module, and the module's
+    output becomes ``base(x) + alpha / rank * B(A(x))``."""
+
+    rank: int
+    alpha: float
+
+
 class Snapshot(Message, _Versioned, frozen=True):
     """Learner -> WeightPublisher: an immutable copy of the policy, flat, with its layout.
 
@@ -896,6 +981,12 @@ class Snapshot(Message, _Versioned, frozen=True):
     tensors: list[TensorSpec]
     data: np.ndarray  # uint8 (total_bytes,)
     created_at_s: float
+    adapter: LoraAdapter | None = None
+    """Set: ``tensors`` are LoRA adapter weights on the job's base model, not the policy's
+    full state (``echo2.models.adapters``)."""
+    train_s: float = 0.0
+    """The learner's recent mean seconds per update (T_train; 0: not measured yet): the
+    publisher holds it against T_bcast (``echo2.capacity.publication``)."""
 
 
 class WeightDelta(msgspec.Struct, frozen=True):
@@ -910,11 +1001,14 @@ class WeightDelta(msgspec.Struct, frozen=True):
     total_bytes: int
     """Payload bytes (what is chunked, relayed and repaired)."""
     chunk_digests: list[bytes]
-    """One per ``chunk_bytes`` of payload, in the manifest's ``digest_algorithm``."""
+    """One per chunk of payload (``chunk_bytes``), in the manifest's ``digest_algorithm``."""
     digest: bytes
     """Over the concatenated payload chunk digests (signed with the manifest)."""
     changed_fraction: float = 0.0
     """Elements whose bit pattern differs from the base (telemetry)."""
+    chunk_bytes: int = 0
+    """Payload bytes per chunk (0: the manifest's ``chunk_bytes``); a small payload travels
+    in smaller chunks than the state, so that its rebuild overlaps its arrival."""
 
 
 class WeightManifest(Message, _Versioned, frozen=True):
@@ -941,6 +1035,12 @@ class WeightManifest(Message, _Versioned, frozen=True):
     delta: WeightDelta | None = None
     """Set: this version's chunks are a delta payload against a base (``WeightDelta``);
     None: its chunks are the state itself (a dense version)."""
+    delta_base: bool = False
+    """The publisher codes later versions against this one (delta versions are on): a
+    member keeps the state as its delta base. False: it need not keep a copy."""
+    adapter: LoraAdapter | None = None
+    """Set: the state is a LoRA adapter on the base model (``LoraAdapter``), installed as
+    one (``Engine.install_adapter``); None: the policy's full weights."""
 
 
 class WeightChunk(Message, _Versioned, frozen=True):
@@ -952,6 +1052,17 @@ class WeightChunk(Message, _Versioned, frozen=True):
     data: np.ndarray  # uint8 (<= chunk_bytes,)
 
 
+class WeightsReceived(Message, _Versioned, frozen=True):
+    """Sampler -> WeightPublisher on ``weights``, the moment a version is complete and
+    verified (before it is installed): how long each member took to hold a version, after
+    the members that fed it, is what the publisher places members in later plans by
+    (``echo2.weights.plan.Placement``)."""
+
+    sampler_id: str
+    incarnation: int
+    version: int
+
+
 class WeightsInstalled(Message, _Versioned, frozen=True):
     """A sampler installed a version (telemetry; T_bcast is measured from these)."""
 
@@ -960,6 +1071,12 @@ class WeightsInstalled(Message, _Versioned, frozen=True):
     version: int
     install_s: float
     time_s: float
+    received_s: float = 0.0
+    """Seconds from the version's manifest reaching the sampler to every chunk held and
+    verified: its transfer, chain and repair included (0: not measured)."""
+    complete_time_s: float = 0.0
+    """Unix time the version was complete and verified there, before it waited for the
+    sampler's generation batch to end (0: not measured)."""
 
 
 class WeightSubscribe(Message, frozen=True):
@@ -982,7 +1099,9 @@ class WeightSubscribe(Message, frozen=True):
 
 class RelayChain(msgspec.Struct, frozen=True, array_like=True):
     """One chain of a relay plan: stripe ``stripe``'s chunks flow publisher -> members[0]
-    -> members[1] -> ... (each forwards every verified chunk of the stripe it receives)."""
+    -> members[1] -> ... (each forwards every verified chunk of the stripe it receives). A
+    member may head several chains of one stripe (a relay tree: it forwards to the next
+    member of each), and is sent only the chains through it (``weights.plan.member_view``)."""
 
     stripe: int
     members: list[str]
@@ -1047,6 +1166,7 @@ AnyMessage = (
     | LearnerMetrics
     | MetricsRecord
     | WorkRequest
+    | WorkGrant
     | TaskLease
     | ExpireLease
     | LeaseQuery
@@ -1064,6 +1184,7 @@ AnyMessage = (
     | WeightManifest
     | WeightChunk
     | WeightsInstalled
+    | WeightsReceived
     | WeightSubscribe
     | RelayPlan
     | ChunkRequest

@@ -18,10 +18,11 @@ the layout is written down once::
                                   trained_tasks.json, manifest.json (digests; the commit mark;
                                   ``echo2.training.checkpoint``)
       checkpoints/.tmp-step_*/    a checkpoint being written (renamed into place when complete)
-      checkpoints/<actor><ext>    other actors' saved state (Buffer)
+      checkpoints/<actor><ext>    other actors' saved state
       checkpoints/<actor>.snapshot, <actor>.<gen>.wal
                                   an actor's write-ahead log and its last compaction
-                                  (the PromptSource's leases: ``echo2.journal``)
+                                  (``echo2.journal``: the PromptSource's leases, the Buffer's
+                                  groups)
       summary.json                the learner's summary (at the end)
       recordings/<actor>.<port>.rec  a recorded port's frames (``[run] record``,
                                   ``echo2.transport.recording``; replayed by ``echo2.replay``)

@@ -32,13 +32,23 @@ Output: ``Batch`` to the Learner; ``LeaseClosed`` and ``LearnerProgress`` on
 Backpressure: a batch request waits until enough admissible groups exist (that wait is
 the learner's bubble). The store is bounded by the PromptSource's in-flight window.
 
+Durability (``echo2.actors.buffer_journal``): every change of its state is a record of its
+write-ahead log (``checkpoints/<name>.*.wal``, ``echo2.journal``) written before the
+change has an effect outside the process. Killed with SIGKILL and restarted
+(``restart = "on-failure"``) or resumed (``--resume``), it replays the log and continues
+with the same stored and handed groups, the same de-dup sets and lease outcomes, and the
+same counters; it tells the PromptSource where the learner stands at once
+(``LearnerProgress``). A request it had not answered is lost with it: the learner asks
+again when its connection to the Buffer drops. A request for a version whose batch was
+already handed (the learner lost it, or this Buffer died between handing and sending it)
+is answered with the same groups, so the learner trains each batch once.
+
 Shutdown: on ``stopping`` it returns; a pending batch request is not answered.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from pathlib import Path
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -46,7 +56,9 @@ from msgspec import Meta
 
 from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actors import buffer_journal as wal
 from echo2.actors.admission import rollout_group_max_bytes
+from echo2.journal import FsyncPolicy, Journal
 from echo2.messages import (
     ZERO_VARIANCE,
     Batch,
@@ -60,11 +72,9 @@ from echo2.messages import (
     LeaseClosed,
     LeaseOutcome,
     PolicyVersion,
-    RejectReason,
     ScoredGroup,
 )
 from echo2.rundir import RunDir
-from echo2.transport.codec import Codec
 from echo2.transport.endpoint import CONTROL_MAX_MESSAGE_BYTES
 
 OTHER_SAMPLERS = "(other)"
@@ -79,6 +89,17 @@ class BufferConfig(ActorConfig, frozen=True):
     """DAPO dynamic sampling: drop a group whose kept rewards all equal each other (no
     gradient) on arrival, reason ``zero_variance``; a new prompt takes its place. A task
     budget (``max_tasks``) is then spent faster than one group per trained group."""
+    journal: bool = True
+    """Keep the write-ahead log that lets a restarted or resumed Buffer continue with its
+    groups and de-dup sets (``echo2.actors.buffer_journal``). Off: a restart of this
+    process starts empty and loses what it held (for measurements only)."""
+    journal_fsync: FsyncPolicy = "none"
+    """When the journal reaches the disk: "none" (each record written before its effect:
+    survives a kill -9 of this process) or "always" (fsync per record: survives a host
+    crash). See ``echo2.journal``."""
+    journal_compact_records: Annotated[int, Meta(ge=1)] = 10000
+    """Records after which the journal is compacted into a snapshot (and not before the log
+    outweighs the last snapshot: compaction rewrites every group held)."""
 
 
 class Buffer(Actor):
@@ -94,166 +115,147 @@ class Buffer(Actor):
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
-        self._store: deque[ScoredGroup] = deque()
-        self._seen_tasks: set[str] = set()  # stored or trained task ids
-        self._stored_leases: set[int] = set()
-        self._expired_leases: set[int] = set()
-        self._learner_version = 0
-        self._incarnation = 0
-        self._resumed_from = 0
-        # Groups handed to the learner since its last checkpoint: a crashed learner resumes
-        # from that checkpoint and must train them again, so they are kept until then.
-        self._retained: deque[tuple[int, ScoredGroup]] = deque()
+        self._book = wal.BufferBook(max_retained=self.config.max_groups)
+        self._journal: Journal[wal.Record, wal.State] | None = None
+        self._log_bytes_at_snapshot = 0
+        self._snapshot_bytes = 0
         # Each peer's latest unanswered request, oldest first: one peer's request never
         # displaces another's (a stray request once stalled the learner's).
         self._pending: dict[bytes, BatchRequest] = {}
         self.batch_requests_clamped: dict[BatchClampReason, int] = {}
-        self.counters: dict[str, int] = {
-            "groups_stored": 0,
-            "groups_trained": 0,
-            "groups_dropped_after_store": 0,
-            "batches_served": 0,
-        }
-        self.dropped: dict[str, int] = {}
-        self.reward_failures: dict[str, int] = {}  # completions, by the Rewarder's reason
-        self.rejected: dict[RejectReason, int] = {}
-        self.rejected_by_sampler: dict[str, dict[RejectReason, int]] = {}
-        self.delivered_by_sampler: dict[str, int] = {}  # rollouts stored, per sampler
+        self.batches_resent = 0
         self._scored = ctx.open("scored", max_message_bytes=rollout_group_max_bytes(self.job))
         self._batch = ctx.open("batch")
         self._control = ctx.open("lease_control")
         self._completions = ctx.open("completions")
-        self._codec = Codec(ScoredGroup)  # the state file holds ScoredGroups
-        if ctx.resume:
-            self._load_state()
+        self._recovered = self._open_journal()
+
+    # The book's state under the names the Buffer's readers use.
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._book.counters
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        return self._book.dropped
+
+    @property
+    def _store(self) -> deque[ScoredGroup]:
+        return self._book.store
+
+    # -- the journal (echo2.actors.buffer_journal) -------------------------------------
+
+    def _open_journal(self) -> bool:
+        """Recover what a previous incarnation held, then journal from here; True if there
+        was anything to recover."""
+        if self.ctx.run_dir is None or not self.config.journal:
+            return False
+        journal, state, records = Journal[wal.Record, wal.State].resumed(
+            RunDir(self.ctx.run_dir).checkpoints_dir,
+            self.name,
+            wal.Record,
+            wal.State,
+            fsync=self.config.journal_fsync,
+            resume=self.ctx.resume,
+            warn=self.ctx.log.warning,
+            otherwise="starting empty",
+        )
+        recovered = wal.BufferBook.restore(state, records, max_retained=self.config.max_groups)
+        self._book, self._journal = recovered.book, journal
+        # Killed between a record and its ledger lines: write them now, so that the ledger
+        # says what the journal says.
+        tail = ledger.tail(RunDir(self.ctx.run_dir).ledger_path(self.name))
+        for event in wal.missing_events(recovered.last_events, tail):
+            self.ctx.ledger(event)
+        found = state is not None or bool(records)
+        self._commit(wal.Started(incarnation=self._book.incarnation + 1))
+        if found:
+            book = self._book
+            self.ctx.log.info(
+                "incarnation %d recovered: %d groups stored, %d handed since the learner's fallback checkpoint, "
+                "%d task ids seen (journal: %d records, %d torn)",
+                book.incarnation, len(book.store), len(book.retained), len(book.seen_tasks), len(records),
+                journal.torn_records,
+            )  # fmt: skip
+        return found
+
+    def _commit(self, record: wal.Record, group: ScoredGroup | None = None) -> list[ledger.LedgerEvent]:
+        """Journal ``record``, apply it, and write the ledger events it makes (returned):
+        before its effect leaves the process."""
+        if self._journal is not None:
+            self._journal.append(record)
+        events = self._book.apply(record, group)
+        for event in events:
+            self.ctx.ledger(event)
+        if self._journal is not None and self._journal.records_written % self.config.journal_compact_records == 0:
+            # Compaction rewrites every group held: not before the log outweighs it.
+            if self._journal.bytes_written - self._log_bytes_at_snapshot >= self._snapshot_bytes:
+                self._compact()
+        return events
+
+    def _compact(self) -> None:
+        assert self._journal is not None
+        state = self._book.snapshot()
+        self._journal.compact(state)
+        self._log_bytes_at_snapshot = self._journal.bytes_written
+        self._snapshot_bytes = sum(len(g) for g in state.store) + sum(len(g) for _, _, g in state.retained)
 
     async def aclose(self) -> None:
-        if not hasattr(self, "_store"):
+        if not hasattr(self, "_book"):
             return
-        self._save_state()
         # Groups still stored when the run ends were never trained: say so, so the audit
         # can tell them from lost ones.
-        for g in self._store:
+        for g in self._book.store:
             self.ctx.ledger(ledger.Unconsumed(task=g.group.task_id, version=g.group.version))
-
-    # -- checkpoint ------------------------------------------------------------------
-
-    def _state_path(self) -> Path | None:
-        return None if self.ctx.run_dir is None else RunDir(self.ctx.run_dir).state_path(self.name, ".state")
-
-    def _encode_group(self, group: ScoredGroup) -> list[bytes]:
-        return [bytes(memoryview(frame).cast("B")) for frame in self._codec.encode(group)]
-
-    def _save_state(self) -> None:
-        """Stored and retained groups plus every dedup set, written atomically."""
-        path = self._state_path()
-        if path is None:
-            return
-        state = {
-            "seen": sorted(self._seen_tasks),
-            "stored_leases": sorted(self._stored_leases),
-            "expired_leases": sorted(self._expired_leases),
-            "learner_version": self._learner_version,
-            "incarnation": self._incarnation,
-            "resumed_from": self._resumed_from,
-            "counters": self.counters,
-            "dropped": self.dropped,
-            "reward_failures": self.reward_failures,
-            "rejected": self.rejected,
-            "rejected_by_sampler": self.rejected_by_sampler,
-            "store": [self._encode_group(g) for g in self._store],
-            "retained": [[v, self._encode_group(g)] for v, g in self._retained],
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.msgpack.encode(state))
-        tmp.replace(path)
-
-    def _load_state(self) -> None:
-        path = self._state_path()
-        if path is None or not path.exists():
-            self.ctx.log.warning("--resume: no buffer state at %s; starting empty", path)
-            return
-        state = msgspec.msgpack.decode(path.read_bytes())
-        self._seen_tasks = set(state["seen"])
-        self._stored_leases = set(state["stored_leases"])
-        self._expired_leases = set(state["expired_leases"])
-        self._learner_version = state["learner_version"]
-        self._incarnation = state["incarnation"]
-        self._resumed_from = state["resumed_from"]
-        self.counters.update(state["counters"])
-        self.dropped.update(state["dropped"])
-        self.reward_failures.update(state.get("reward_failures", {}))  # (absent in earlier states)
-        self.rejected.update(state.get("rejected", {}))  # (absent in states of earlier versions)
-        self.rejected_by_sampler.update(state.get("rejected_by_sampler", {}))
-        decode = self._codec.decode
-        self._store = deque(decode(frames) for frames in state["store"])
-        self._retained = deque((v, decode(frames)) for v, frames in state["retained"])
-        self.ctx.log.info(
-            "resumed: %d groups stored, %d awaiting a learner checkpoint, %d task ids seen",
-            len(self._store), len(self._retained), len(self._seen_tasks),
-        )  # fmt: skip
-
-    def _on_checkpoint(self, done: LearnerCheckpointed) -> None:
-        while self._retained and self._retained[0][0] < done.version:
-            self._retained.popleft()
-        self._save_state()
-
-    def _on_new_incarnation(self, request: BatchRequest) -> None:
-        """A resumed learner: what it trained after its checkpoint is lost; train it again."""
-        self._incarnation, self._resumed_from = request.incarnation, request.version
-        self._learner_version = request.version
-        again = [g for v, g in self._retained if v >= request.version]
-        self._retained.clear()
-        self._store.extendleft(reversed(again))
-        self.counters["groups_trained"] -= len(again)  # back in the store, not trained
-        for g in again:
-            self.ctx.ledger(ledger.Requeued(task=g.group.task_id, version=g.group.version))
-        self.ctx.log.info(
-            "learner incarnation %d resumes at version %d: %d groups requeued",
-            request.incarnation, request.version, len(again),
-        )  # fmt: skip
+        if self._journal is not None:
+            self._compact()  # after the ledger lines: a resume has nothing to repair
+            self._journal.close()
 
     def statistics(self) -> BufferStats:
+        book = self._book
         return BufferStats(
-            **self.counters,
-            dropped=dict(self.dropped),
-            reward_failures=dict(self.reward_failures),
-            stored_now=len(self._store),
-            learner_version=self._learner_version,
-            rejected=dict(self.rejected),
-            rejected_by_sampler={s: dict(r) for s, r in self.rejected_by_sampler.items()},
+            **book.counters,
+            dropped=dict(book.dropped),
+            reward_failures=dict(book.reward_failures),
+            stored_now=len(book.store),
+            learner_version=book.learner_version,
+            rejected=dict(book.rejected),
+            rejected_by_sampler={s: dict(r) for s, r in book.rejected_by_sampler.items()},
             batch_requests_clamped=dict(self.batch_requests_clamped),
         )
 
     async def run(self) -> None:
+        if self._recovered:
+            # A restarted PromptSource knows the learner's window from this at once.
+            await self._report_progress(self._book.next_version)
         await run_until_stopped(
             self.ctx.stopping, self._receive_scored(), self._serve_batches(), self._receive_control()
         )
 
     # -- accounting ------------------------------------------------------------------
 
-    def _drop(self, reason: str, n: int = 1) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + n
-
     def _admissible(self, made_by: PolicyVersion) -> bool:
-        if made_by.incarnation < self._incarnation and made_by.version > self._resumed_from:
+        book = self._book
+        if made_by.incarnation < book.learner_incarnation and made_by.version > book.resumed_from:
             return False  # made by weights of a crashed learner's lost future
-        return made_by.version >= self._learner_version - self.job.staleness
+        return made_by.version >= book.learner_version - self.job.staleness
 
-    async def _close(self, group: ScoredGroup, outcome: LeaseOutcome, reason: str = "") -> None:
-        g = group.group
+    async def _settle(self, scored: ScoredGroup, outcome: LeaseOutcome, reason: str = "", seen: bool = False) -> None:
+        g = scored.group
         if outcome == "stored":
-            self.ctx.ledger(ledger.Accepted(task=g.task_id, lease=g.lease_id, version=g.version, sampler=g.sampler_id))
+            self._commit(wal.Stored(group=self._book.codec.encode(scored) if self._journal else b""), scored)
         else:
-            self.ctx.ledger(
-                ledger.Rejected(
+            self._commit(
+                wal.Refused(
                     task=g.task_id,
                     lease=g.lease_id,
+                    attempt=g.attempt,
                     version=g.version,
+                    sampler=g.sampler_id,
                     outcome=outcome,
                     reason=reason,
-                    sampler=g.sampler_id,
+                    seen=seen,
+                    item_errors=dict(scored.item_errors),
                 )
             )
         await self._completions.send(
@@ -270,88 +272,71 @@ class Buffer(Actor):
             await self._answer_pending()
 
     async def _on_rejected(self, rejected: GroupRejected) -> None:
-        reason, sampler = rejected.reason, rejected.sampler_id
-        if not rejected.holder and sampler not in self.rejected_by_sampler and len(self.rejected_by_sampler) >= 64:
+        book = self._book
+        sampler = rejected.sampler_id
+        if not rejected.holder and sampler not in book.rejected_by_sampler and len(book.rejected_by_sampler) >= 64:
             sampler = OTHER_SAMPLERS  # claimed names are free: do not let them grow the stats
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        by_reason = self.rejected_by_sampler.setdefault(sampler, {})
-        by_reason[reason] = by_reason.get(reason, 0) + 1
-        self.ctx.ledger(
-            ledger.Rejected(
-                task=rejected.task_id,
-                lease=rejected.lease_id,
-                version=rejected.version,
-                outcome="rejected",
-                reason=reason,
-                sampler=sampler,
-                holder=rejected.holder,
-            )
-        )
         lease = rejected.lease_id
-        if not rejected.holder or lease in self._stored_leases or lease in self._expired_leases:
-            return  # nothing of the lease changes: a forgery, or a lease already settled
-        self._expired_leases.add(lease)  # another group for it is late
-        await self._completions.send(
-            LeaseClosed(
-                lease_id=lease, task_id=rejected.task_id, attempt=rejected.attempt, outcome="rejected", reason=reason
+        # A forgery, or a lease already settled, changes nothing of the lease.
+        settles = rejected.holder and book.lease_outcome(lease) is None
+        self._commit(
+            wal.AdmissionRejected(
+                task=rejected.task_id,
+                lease=lease,
+                attempt=rejected.attempt,
+                version=rejected.version,
+                sampler=sampler,
+                reason=rejected.reason,
+                holder=rejected.holder,
+                settles=settles,
             )
         )
+        if settles:
+            await self._completions.send(
+                LeaseClosed(
+                    lease_id=lease,
+                    task_id=rejected.task_id,
+                    attempt=rejected.attempt,
+                    outcome="rejected",
+                    reason=rejected.reason,
+                )
+            )
 
     async def _accept(self, scored: ScoredGroup) -> None:
         g = scored.group
-        for reason, n in scored.item_errors.items():
-            self.reward_failures[reason] = self.reward_failures.get(reason, 0) + n
-        if g.lease_id in self._expired_leases:
-            self._drop("late")
-            await self._close(scored, "late")
-        elif g.task_id in self._seen_tasks:
-            self._drop("duplicate")
-            await self._close(scored, "duplicate")
+        book = self._book
+        if g.lease_id in book.expired_leases:
+            await self._settle(scored, "late")
+        elif g.task_id in book.seen_tasks:
+            await self._settle(scored, "duplicate")
         elif scored.dropped_reason:
-            self._drop(scored.dropped_reason)
-            self._seen_tasks.add(g.task_id)
-            await self._close(scored, "dropped", scored.dropped_reason)
+            await self._settle(scored, "dropped", scored.dropped_reason, seen=True)
         elif not self._admissible(g.policy_version):
-            self._drop("stale")
-            self._seen_tasks.add(g.task_id)
-            await self._close(scored, "dropped", "stale")
+            await self._settle(scored, "dropped", "stale", seen=True)
         elif self.config.drop_zero_variance and scored.zero_reward_variance:
-            self._drop(ZERO_VARIANCE)
-            self._seen_tasks.add(g.task_id)
-            await self._close(scored, "dropped", ZERO_VARIANCE)
+            await self._settle(scored, "dropped", ZERO_VARIANCE, seen=True)
         else:
-            self._store.append(scored)
-            self._seen_tasks.add(g.task_id)
-            self._stored_leases.add(g.lease_id)
-            self.counters["groups_stored"] += 1
-            self.delivered_by_sampler[g.sampler_id] = self.delivered_by_sampler.get(g.sampler_id, 0) + g.group_size
-            await self._close(scored, "stored")
-            if len(self._store) > self.config.max_groups:
-                evicted = self._store.popleft()
-                self.ctx.ledger(
-                    ledger.Dropped(task=evicted.group.task_id, reason="overflow", version=evicted.group.version)
-                )
-                self._drop("overflow")
-                self.counters["groups_dropped_after_store"] += 1
+            await self._settle(scored, "stored")
+            if len(book.store) > self.config.max_groups:
+                self._commit(wal.Evicted(tasks=[book.store[0].group.task_id], reason="overflow"))
 
     async def _receive_control(self) -> None:
         while True:
             for message in await self._control.recv_many():
                 if not isinstance(message, ExpireLease):
                     continue
-                outcome: LeaseOutcome
-                if message.lease_id in self._stored_leases:
-                    outcome = "stored"
-                else:
-                    self._expired_leases.add(message.lease_id)
-                    outcome = "expired"
-                    self.ctx.ledger(ledger.LeaseExpired(task=message.task_id, lease=message.lease_id))
+                # Decided once: asked again (its answer was lost), the answer is the same.
+                known = self._book.lease_outcome(message.lease_id)
+                if known is None:
+                    self._commit(wal.Expired(lease=message.lease_id, task=message.task_id))
+                outcome, reason = known or ("expired", "")
                 await self._completions.send(
                     LeaseClosed(
                         lease_id=message.lease_id,
                         task_id=message.task_id,
                         attempt=message.attempt,
                         outcome=outcome,
+                        reason=reason,
                     )
                 )
 
@@ -361,32 +346,43 @@ class Buffer(Actor):
         while True:
             for peer, message in await self._batch.recv_many():
                 if isinstance(message, BatchRequest):
-                    if message.incarnation > self._incarnation:
-                        self._on_new_incarnation(message)
-                        # Admission refuses versions of an incarnation it has not heard of.
-                        await self._report_progress(message.version)
-                        # The previous incarnation is dead: its requests go unanswered.
-                        self._pending = {p: r for p, r in self._pending.items() if r.incarnation >= message.incarnation}
-                    self._pending.pop(peer, None)  # a peer's newer request replaces its older one
-                    self._pending[peer] = self._clamped(message)
-                    self._learner_version = max(self._learner_version, message.version)
+                    await self._on_request(peer, message)
                 elif isinstance(message, LearnerCheckpointed):
-                    self._on_checkpoint(message)
+                    self._commit(wal.Checkpointed(version=message.version))
             await self._answer_pending()
 
+    async def _on_request(self, peer: bytes, request: BatchRequest) -> None:
+        book = self._book
+        if request.incarnation > book.learner_incarnation:
+            # A resumed learner: what it trained after its checkpoint is lost; train it again.
+            requeued = self._commit(wal.LearnerResumed(incarnation=request.incarnation, version=request.version))
+            self.ctx.log.info(
+                "learner incarnation %d resumes at version %d: %d groups requeued",
+                request.incarnation, request.version, len(requeued),
+            )  # fmt: skip
+            # Admission refuses versions of an incarnation it has not heard of.
+            await self._report_progress(request.version)
+            # The previous incarnation is dead: its requests go unanswered.
+            self._pending = {p: r for p, r in self._pending.items() if r.incarnation >= request.incarnation}
+        elif request.incarnation < book.learner_incarnation:
+            return  # a dead incarnation's
+        elif again := book.handed_for(request.version, peer):
+            # Its batch was handed already and never reached the learner (a dropped
+            # connection, or this Buffer's previous incarnation died before sending it):
+            # the same groups again, so that each is trained once whichever copy arrives.
+            self._pending.pop(peer, None)
+            self.batches_resent += 1
+            await self._batch.send(peer, Batch(request_id=request.request_id, groups=again, buffer=self.statistics()))
+            return
+        self._pending.pop(peer, None)  # a peer's newer request replaces its older one
+        self._pending[peer] = self._clamped(request)
+        book.learner_version = max(book.learner_version, request.version)
+
     def _evict_stale(self) -> int:
-        kept: deque[ScoredGroup] = deque()
-        for g in self._store:
-            if self._admissible(g.group.policy_version):
-                kept.append(g)
-            else:
-                self.ctx.ledger(ledger.Dropped(task=g.group.task_id, reason="stale", version=g.group.version))
-        evicted = len(self._store) - len(kept)
-        if evicted:
-            self._store = kept
-            self._drop("stale", evicted)
-            self.counters["groups_dropped_after_store"] += evicted
-        return evicted
+        stale = [g.group.task_id for g in self._book.store if not self._admissible(g.group.policy_version)]
+        if stale:
+            self._commit(wal.Evicted(tasks=stale, reason="stale"))
+        return len(stale)
 
     def _clamped(self, request: BatchRequest) -> BatchRequest:
         """At most what one step trains and what the store can hold: a request for more
@@ -410,32 +406,35 @@ class Buffer(Actor):
     async def _answer_oldest(self) -> bool:
         peer, request = next(iter(self._pending.items()))
         evicted = self._evict_stale()
-        if len(self._store) < request.num_groups:
+        book = self._book
+        if len(book.store) < request.num_groups:
             if evicted:
                 await self._report_progress(request.version)
             return False
         del self._pending[peer]
-        groups = [self._store.popleft() for _ in range(request.num_groups)]
-        for g in groups:
-            self.ctx.ledger(
-                ledger.Handed(task=g.group.task_id, version=g.group.version, request_version=request.version)
+        tasks = [book.store[i].group.task_id for i in range(request.num_groups)]
+        overflow = book.retained_overflow
+        self._commit(wal.Handed(request_version=request.version, tasks=tasks, peer=peer))
+        if overflow == 0 and book.retained_overflow:
+            self.ctx.log.warning(
+                "more than max_groups = %d groups handed since the learner's fallback checkpoint: a learner "
+                "resume from it could not train the oldest again (checkpoint more often, or raise max_groups)",
+                self.config.max_groups,
             )
-            self._retained.append((request.version, g))
-        while len(self._retained) > self.config.max_groups:  # no checkpoints: bound the memory
-            self._retained.popleft()
-        self.counters["groups_trained"] += len(groups)
-        self.counters["batches_served"] += 1
+        groups = book.handed_for(request.version, peer)
         await self._batch.send(peer, Batch(request_id=request.request_id, groups=groups, buffer=self.statistics()))
         await self._report_progress(request.version + 1)
         return True
 
     async def _report_progress(self, next_version: int) -> None:
+        book = self._book
         await self._completions.send(
             LearnerProgress(
                 next_version=next_version,
-                groups_trained=self.counters["groups_trained"],
-                groups_dropped_after_store=self.counters["groups_dropped_after_store"],
-                delivered_by_sampler=dict(self.delivered_by_sampler),
-                incarnation=self._incarnation,
+                groups_trained=book.counters["groups_trained"],
+                groups_dropped_after_store=book.counters["groups_dropped_after_store"],
+                delivered_by_sampler=dict(book.delivered_by_sampler),
+                incarnation=book.learner_incarnation,
+                buffer_incarnation=book.incarnation,
             )
         )

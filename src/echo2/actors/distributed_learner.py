@@ -1,6 +1,8 @@
 """The Learner across GPUs: data-parallel GRPO under ``torchrun`` (DDP or FSDP2; NCCL on GPUs, gloo on CPU).
 
-Layout: ``torchrun --nproc-per-node N -m echo2.launch.torchrun <echo2.launch.child arguments>``.
+Layout: the launcher starts the process holding it under torchrun (``[processes.NAME]
+nproc_per_node``, ``nnodes``, ``gpus``; ``echo2.launch.torchrun``); by hand it is
+``torchrun --nproc-per-node N -m echo2.launch.torchrun <echo2.launch.child arguments>``.
 
 - Rank 0 runs the learner's echo2 process as usual (``echo2.launch.child``) with the actor kind
   ``"distributed_learner"`` (this class): a Learner whose trainer is a
@@ -21,7 +23,9 @@ Under torchrun a ``device`` of ``"cuda"`` (or ``"cuda:N"``) means ``cuda:LOCAL_R
 ``simulated_train_s`` is not supported here (there is nothing to share).
 
 Tested: 2 CPU ranks over gloo, DDP (tests/test_learner_dist.py) and FSDP2
-(tests/test_learner_fsdp.py), stepped directly and in a launched, audited run. Untested without GPUs: NCCL, ``device = "cuda"`` placement, multi-node.
+(tests/test_learner_fsdp.py), stepped directly and in a launched, audited run; started by
+the launcher, stopped and killed, and over two launchers as two nodes
+(tests/test_launch_torchrun.py). Untested without GPUs: NCCL, ``device = "cuda"`` placement.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class DistributedLearner(Learner):
     """Rank 0's Learner actor; see the module docstring."""
 
     kind: ClassVar[str] = "distributed_learner"
+    torchrun: ClassVar[bool] = True
     Config = DistributedLearnerConfig
     config: DistributedLearnerConfig
 

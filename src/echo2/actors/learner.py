@@ -43,6 +43,7 @@ summary either way; ``summary.json`` says which (``stopped_by``, ``max_steps``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter, deque
@@ -70,6 +71,7 @@ from echo2.messages import (
     ScoredGroup,
     Snapshot,
 )
+from echo2.models.adapters import LoraConfig
 from echo2.rl import DEFAULT_MICROBATCH_TOKENS, LossName, OldPolicy
 from echo2.rundir import RunDir
 from echo2.tasks.base import correctness, load_job_task
@@ -92,6 +94,13 @@ if TYPE_CHECKING:
     from echo2.rl.step import StepSettings
     from echo2.training.trainer import Trainer
 
+
+_FINAL_NOTICE_TIMEOUT_S = 1.0
+"""Seconds a stopping learner offers the Buffer its final checkpoint's notice."""
+_REQUEST_QUEUE_S = 0.05
+"""How long a batch request may wait to be queued before the step goes on without it."""
+_REQUEST_CHECK_S = 0.5
+"""While waiting for a batch: how often the connection to the Buffer is checked."""
 
 StoppedBy = Literal["max_steps", "max_wall_s", "stop_request"]
 """Why the learner's loop ended, as ``summary.json`` records it (``stopped_by``)."""
@@ -169,6 +178,9 @@ class LearnerConfig(ActorConfig, frozen=True):
     top-p (n >= k; 0: n = k). A larger n lowers the estimator's variance."""
     checkpoint_every: Annotated[int, Meta(ge=0)] = 100
     """Steps between checkpoints in the run directory (0: only the final one)."""
+    batch_resend_s: Annotated[float, Meta(gt=0)] = 30.0
+    """Seconds without an answer after which a batch request is sent again (it is sent again
+    at once when the connection to the Buffer drops: a restarted Buffer lost it)."""
     log_every: Annotated[int, Meta(ge=1)] = 10
     """Steps between two progress lines in the log (every step is in the metrics)."""
     incarnation: Annotated[int, Meta(ge=0)] = 0
@@ -182,8 +194,14 @@ class LearnerConfig(ActorConfig, frozen=True):
     """Scale-experiment mode: when > 0 a step sleeps this many seconds instead of training
     (the batch is still consumed and accounted: staleness, rewards). For capacity and
     scheduling benchmarks, where a stable T_train matters and the model does not."""
+    lora: LoraConfig | None = None
+    """LoRA training (``echo2.models.adapters``): ``{rank, alpha, target_modules, dropout}``
+    trains low-rank adapters on the frozen base model and publishes only them (a version is
+    the adapter's bytes); unset: every weight is trained and published."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.simulated_train_s > 0:
+            raise ValueError("lora trains adapters; simulated_train_s trains nothing: set one of them")
         if self.eval_samples and self.eval_samples < self.eval_pass_at_k:
             raise ValueError(
                 f"eval_samples ({self.eval_samples}) must be >= eval_pass_at_k ({self.eval_pass_at_k}): "
@@ -223,6 +241,7 @@ class Learner(Actor):
             # A Batch is groups_per_step groups and the Buffer's counters.
             max_message_bytes=self.job.groups_per_step * rollout_group_max_bytes(self.job) + (1 << 20),
         )
+        self._batches.monitor_disconnects()  # a dropped connection: the Buffer may have restarted
         self._snapshots = ctx.open("snapshots")
 
     def _build(self) -> None:
@@ -252,6 +271,13 @@ class Learner(Actor):
         self.evals: list[HeldoutScore] = []
         self.buffer_stats: BufferStats | None = None  # the Buffer's counters with the last batch
         self._request_id = 0
+        self._request_version = -1
+        self._request_ids: set[int] = set()
+        """The ids of the requests for ``_request_version``: a batch answering any is its batch."""
+        self._request_unsent = False
+        self._request_sent_at = 0.0
+        self._request_disconnects = 0
+        self.batch_requests_resent = 0
         self._recent_train_s: deque[float] = deque(maxlen=20)
         self._recent_step_s: deque[float] = deque(maxlen=20)
         self.published_version = -1
@@ -293,6 +319,7 @@ class Learner(Actor):
     # -- main loop -------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._record_lora()
         self.evals.append(await asyncio.to_thread(self.evaluate))
         self.ctx.log.info("step %d: held-out %s (start)", self.version, _describe(self.evals[-1]))
         await self._publish_metrics(None, self.evals[-1])
@@ -313,7 +340,15 @@ class Learner(Actor):
             # A learner no batch reaches (samplers that cannot produce, a peer on a dead
             # link) still stops on request and writes its summary: what it did not train
             # is as much the run's result as what it did.
-            received, batch = await until_stopping(self.ctx.stopping, self._receive_batch())
+            budget_s = self.config.max_wall_s - (time.monotonic() - started) if self.config.max_wall_s else None
+            try:
+                # Its own budget bounds a starved wait too, or it would outlive max_wall_s.
+                async with asyncio.timeout(budget_s):
+                    received, batch = await until_stopping(self.ctx.stopping, self._receive_batch())
+            except TimeoutError:
+                self.ctx.log.info("wall-clock budget of %.0f s reached waiting for a batch", self.config.max_wall_s)
+                stopped_by = "max_wall_s"
+                break
             if not received:
                 stopped_by = "stop_request"
                 break
@@ -365,24 +400,80 @@ class Learner(Actor):
         )
 
     async def _request(self, version: int | None = None) -> None:
+        """Ask the Buffer for the batch of ``version`` (default: the current one). A request
+        the Buffer cannot take now (its process is restarting) is sent by ``_receive_batch``."""
+        version = self.version if version is None else version
+        if version != self._request_version:
+            self._request_version, self._request_ids = version, set()
+        self._request_unsent = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_REQUEST_QUEUE_S):  # not held up by a Buffer that is down
+                await self._send_request()
+
+    async def _send_request(self) -> None:
         self._request_id += 1
+        self._request_ids.add(self._request_id)
+        self._request_sent_at = time.monotonic()
+        self._request_disconnects = self._batches.statistics().disconnects
         await self._batches.send(
             BatchRequest(
                 request_id=self._request_id,
                 incarnation=self.incarnation,
-                version=self.version if version is None else version,
+                version=self._request_version,
                 num_groups=self.job.groups_per_step,
             )
         )
+        self._request_unsent = False
 
     async def _receive_batch(self) -> Batch:
+        """The batch of the version last requested. A restarted Buffer has lost the request:
+        it is sent again once the connection to the Buffer dropped (and, as a safety net,
+        every ``batch_resend_s`` without an answer). Every answer for that version holds the
+        same groups (the Buffer hands a version's batch once); the first is trained, the
+        others are dropped. The receive is never cancelled to look at the connection (a
+        message it had taken could be lost with it): it runs on while the connection is
+        checked beside it."""
+        async with asyncio.TaskGroup() as group:
+            arrival = group.create_task(self._next_batch())
+            while not arrival.done():
+                if self._request_unsent:
+                    await self._send_request()
+                await asyncio.wait({arrival}, timeout=_REQUEST_CHECK_S)
+                if arrival.done():
+                    break
+                dropped = self._batches.statistics().disconnects > self._request_disconnects
+                waited = time.monotonic() - self._request_sent_at
+                if dropped or waited >= self.config.batch_resend_s:
+                    why = "the connection to the Buffer dropped" if dropped else f"no answer in {waited:.0f} s"
+                    self.ctx.log.info("%s: asking again for the batch of version %d", why, self._request_version)
+                    self.batch_requests_resent += 1
+                    self._request_unsent = True
+        return arrival.result()
+
+    async def _next_batch(self) -> Batch:
         while True:
             message = await self._batches.recv()
-            if isinstance(message, Batch):
+            if isinstance(message, Batch) and message.request_id in self._request_ids:
                 return message
 
+    def _record_lora(self) -> None:
+        """A LoRA run's ``lora`` record: the adapter its versions carry against the full
+        state a run without LoRA would publish (``python -m echo2.plan`` compares them)."""
+        from echo2.models.hf import unique_state
+        from echo2.training.lora import LoraTrainer
+
+        if not isinstance(self.trainer, LoraTrainer):
+            return
+        state = unique_state(self.policy.core)
+        adapter = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" in name)
+        model = sum(t.numel() * t.element_size() for name, t in state.items() if ".lora_" not in name)
+        lora = self.trainer.adapter
+        self.ctx.record("lora", rank=lora.rank, alpha=lora.alpha, adapter_bytes=adapter, model_bytes=model)
+
     async def _publish(self) -> None:
-        tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16
+        from echo2.training.lora import LoraTrainer
+
+        tensors = self.trainer.state_for_publication()  # unaliased, bf16 as raw uint16; a LoRA run's adapters
         specs, flat = flatten_tensors(tensors)  # a fresh buffer: never mutated after this
         self.published_version, self.published_at_s = self.version, time.time()
         await self._snapshots.send(
@@ -392,6 +483,8 @@ class Learner(Actor):
                 tensors=specs,
                 data=flat,
                 created_at_s=time.time(),
+                adapter=self.trainer.adapter if isinstance(self.trainer, LoraTrainer) else None,
+                train_s=_mean(self._recent_train_s),
             )
         )
 
@@ -544,7 +637,17 @@ class Learner(Actor):
         # The Buffer may drop what was trained before the checkpoint a resume would fall back
         # to if the newest were damaged: the one before it (none yet: version 0).
         fallback = self._checkpoint_versions[0] if len(self._checkpoint_versions) == 2 else 0
-        await self._batches.send(LearnerCheckpointed(incarnation=self.incarnation, version=fallback))
+        notice = LearnerCheckpointed(incarnation=self.incarnation, version=fallback)
+        if not self.ctx.stopping.is_set():
+            await self._batches.send(notice)
+            return
+        # The final checkpoint of a stopped run: the Buffer is stopping too (the launcher stops
+        # every process at once) and may be gone, and a send with no peer waits forever, which
+        # cost the drain its summary. A stopping Buffer has no use for the notice.
+        try:
+            await asyncio.wait_for(self._batches.send(notice), _FINAL_NOTICE_TIMEOUT_S)
+        except TimeoutError:
+            self.ctx.log.info("the Buffer did not take the final checkpoint's notice (it stopped first)")
 
     async def _finish(self, wall_s: float, stopped_by: StoppedBy = "max_steps") -> None:
         if not self.evals or self.evals[-1].step != self.version:
@@ -690,11 +793,11 @@ def step_settings(config: LearnerConfig) -> StepSettings:
 def build_trainer(job: JobConfig, config: LearnerConfig) -> Trainer:
     """The trainer a Learner with ``config`` uses (every data-parallel rank builds the same)."""
     from echo2.models.policy import load_policy
-    from echo2.training.trainer import make_trainer
+    from echo2.training.choose import make_trainer
 
     # "" = the built-in tiny model; an HF directory or "smollm2" = a Hugging Face model.
     policy = load_policy(job.model, dtype=config.model_dtype, device=config.device, prompt_format=job.prompt_format)
-    return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s)
+    return make_trainer(policy, step_settings(config), simulated_train_s=config.simulated_train_s, lora=config.lora)
 
 
 def _mean(values: deque[float]) -> float:

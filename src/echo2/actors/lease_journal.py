@@ -15,8 +15,14 @@ previous incarnation's open leases depends on why this one started:
   deadline; a result for it is accepted as usual if it still can be (the Buffer's
   dedup by task makes sure it is trained at most once), and if none comes it expires and
   the task is re-issued;
-- ``--resume`` of a stopped run (the samplers are new): each is re-issued at once with
-  ``attempt + 1``, so no task issued but never trained is dropped silently.
+- ``--resume`` of a stopped run (the samplers are new): each is offered to the Buffer for
+  expiry at once; the Buffer, whose own journal survived too, answers ``stored`` (its
+  group landed before the stop: nothing to do) or ``expired`` (re-issued with
+  ``attempt + 1``), so no task issued but never trained is dropped or trained twice.
+
+Welcomed samplers are journaled by name (``Welcomed``): a PromptSource restarted in a live
+run asks each to say Hello again, including samplers that hold no lease and owe nothing,
+whose credits would otherwise be lost with the process.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class Issued(msgspec.Struct, frozen=True, tag="issued"):
     """The routing id of the connection it was sent to."""
     token: bytes
     fresh: bool
+    sampler_name: str = ""
+    """The name that connection was welcomed under (what the holder's groups claim)."""
 
 
 class Settled(msgspec.Struct, frozen=True, tag="settled"):
@@ -90,13 +98,30 @@ class Settled(msgspec.Struct, frozen=True, tag="settled"):
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress"):
-    """The Buffer's counters the in-flight window is computed from."""
+    """The Buffer's counters the in-flight window is computed from, and where the learner
+    stands (the admission window a restarted PromptSource answers Rewarders with)."""
 
     trained: int
     dropped_after_store: int
+    next_version: int = 0
+    learner_incarnation: int = 0
 
 
-Record = Started | Issued | Settled | Progress
+class Welcomed(msgspec.Struct, frozen=True, tag="welcomed"):
+    """A sampler was welcomed on connection ``route``: a restarted PromptSource asks it to
+    say Hello again even if it has nothing to send."""
+
+    name: str
+    route: bytes
+
+
+class Quarantined(msgspec.Struct, frozen=True, tag="quarantined"):
+    """A sampler gets no more leases; a restart does not forgive it."""
+
+    name: str
+
+
+Record = Started | Issued | Settled | Progress | Welcomed | Quarantined
 
 
 class Pending(msgspec.Struct, frozen=True):
@@ -114,6 +139,10 @@ class State(msgspec.Struct, frozen=True):
     dropped_after_store: int = 0
     retry: list[Pending] = []
     open: list[Issued] = []
+    next_version: int = 0
+    learner_incarnation: int = 0
+    samplers: dict[str, bytes] = {}
+    quarantined: list[str] = []
 
 
 @dataclass
@@ -125,6 +154,11 @@ class Recovered:
     dropped_after_store: int = 0
     retry: deque[Pending] = field(default_factory=deque)
     open: dict[int, Issued] = field(default_factory=dict)
+    next_version: int = 0
+    learner_incarnation: int = 0
+    samplers: dict[str, bytes] = field(default_factory=dict)
+    """Sampler name -> the route it was last welcomed on."""
+    quarantined: set[str] = field(default_factory=set)
 
 
 def recover(state: State | None, records: list[Record]) -> Recovered:
@@ -138,6 +172,10 @@ def recover(state: State | None, records: list[Record]) -> Recovered:
         dropped_after_store=s.dropped_after_store,
         retry=deque(s.retry),
         open={r.lease_id: r for r in s.open},
+        next_version=s.next_version,
+        learner_incarnation=s.learner_incarnation,
+        samplers=dict(s.samplers),
+        quarantined=set(s.quarantined),
     )
     for record in records:
         match record:
@@ -162,9 +200,14 @@ def recover(state: State | None, records: list[Record]) -> Recovered:
                         out.retry.appendleft(pending)
                     else:
                         out.retry.append(pending)
-            case Progress(trained=trained, dropped_after_store=dropped):
-                out.trained = max(out.trained, trained)
-                out.dropped_after_store = max(out.dropped_after_store, dropped)
+            case Progress():
+                # The Buffer's counters as they are (a learner resume lowers groups_trained).
+                out.trained, out.dropped_after_store = record.trained, record.dropped_after_store
+                out.next_version, out.learner_incarnation = record.next_version, record.learner_incarnation
+            case Welcomed(name=name, route=route):
+                out.samplers[name] = route
+            case Quarantined(name=name):
+                out.quarantined.add(name)
     return out
 
 
@@ -184,4 +227,8 @@ def snapshot(r: Recovered) -> State:
         dropped_after_store=r.dropped_after_store,
         retry=list(r.retry),
         open=list(r.open.values()),
+        next_version=r.next_version,
+        learner_incarnation=r.learner_incarnation,
+        samplers=dict(r.samplers),
+        quarantined=sorted(r.quarantined),
     )

@@ -7,9 +7,13 @@ Input: ``tasks`` (ROUTER) — ``Hello`` and ``WorkRequest(credits)`` from Sample
 ``completions`` (PULL) — ``LeaseClosed`` and ``LearnerProgress`` from the Buffer.
 Output: ``TaskLease`` to samplers with credit; ``ExpireLease`` to the Buffer (``lease_control``).
 
-Backpressure: work is pulled, never pushed. A sampler receives at most the credits it
-granted (capped by ``max_credits_per_sampler``), samplers with credit are served one lease
-each in turn, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
+Backpressure: work is pulled, never pushed. A sampler states the leases it can hold and
+the ones it holds (``WorkRequest`` as a work state, ``echo2.actors.work_state``); its credit
+is what it can hold minus what it holds or has on its way (capped by
+``max_credits_per_sampler``), set at each state and never added up, so a state or a lease
+lost with a torn connection is repaired by the next state: leases sent before the
+``WorkGrant`` a state acknowledges that the sampler never received are re-issued at once.
+Samplers with credit are served one lease each in turn, and the whole pipeline holds at most ``max_inflight_groups`` groups that are
 leased or stored but not yet trained, so generation cannot run ahead of the learner by
 more than the staleness budget allows. Each lease carries ``min_version`` (the learner's
 next version minus S): samplers wait for weights rather than make work that would arrive
@@ -19,7 +23,8 @@ Loss recovery: a lease whose deadline passes is offered to the Buffer for expiry
 Buffer answers ``stored`` (a result already landed: nothing to do) or ``expired`` (no
 result can be trained any more: re-issue with ``attempt + 1``). A task is dropped after
 ``max_attempts``. A sampler that disconnects simply stops being offered work; its leases
-expire.
+expire, or, if it comes back (a link outage), its next work state re-issues the ones it
+never received and restores its credit.
 
 Activation (``echo2.capacity.scheduler``): the PromptSource binds the ``telemetry`` channel
 and feeds the scheduler the heartbeats (sampler availability and price, the learner's
@@ -77,6 +82,7 @@ from echo2.actors.admission import (
     lease_meta,
     trusted_prompt_codec,
 )
+from echo2.actors.work_state import GrantFences, reconcile
 from echo2.capacity.scheduler import ActivationPolicy, Scheduler, SchedulerDecision
 from echo2.envs.base import episode_seed
 from echo2.job import JobConfig, JobObjects
@@ -105,6 +111,7 @@ from echo2.messages import (
     TaskLease,
     WeightsInstalled,
     Welcome,
+    WorkGrant,
     WorkRequest,
 )
 from echo2.rundir import RunDir
@@ -173,12 +180,22 @@ class PromptSourceConfig(ActorConfig, frozen=True):
     by hundredths on the built-in model; another model or invented log-probs by more."""
     quarantine_mismatch_steps: Annotated[int, Meta(ge=1)] = 5
     """Consecutive learner steps over ``quarantine_mismatch`` after which it is quarantined."""
+    journal: bool = True
+    """Keep the lease journal that lets a restarted or resumed PromptSource continue its
+    stream and leases (``echo2.actors.lease_journal``). Off: a restart starts the stream
+    over and forgets its leases (for measurements only)."""
     journal_fsync: FsyncPolicy = "none"
     """When the lease journal reaches the disk: "none" (each record written before its lease
     is sent: survives a kill -9 of this process) or "always" (fsync per record: survives a
     host crash). See ``echo2.journal``."""
     journal_compact_records: Annotated[int, Meta(ge=1)] = 10000
     """Records after which the lease journal is compacted into a snapshot."""
+
+
+_MAX_KNOWN_SAMPLERS = 4096
+"""Sampler names journaled for a restart's recall (names are free to claim: bounded)."""
+_RECALL_RETRY_S = 0.5
+"""Seconds between two attempts to reach a sampler after a restart."""
 
 
 @dataclass
@@ -223,6 +240,11 @@ class PromptSource(Actor):
         self._journal: Journal[wal.Record, wal.State] | None = None
         self._next_version = 0
         self._learner_incarnation = 0
+        self._buffer_incarnation = 0
+        self._journaled_incarnation = 0
+        self._resumed_learner_after: int | None = None
+        """On --resume: issue nothing until a learner incarnation newer than this reports."""
+        self._known_samplers: dict[str, bytes] = {}  # name -> route it was welcomed on (journaled)
         self._installed: dict[bytes, int] = {}  # peer -> installed version it reported
         self._quarantined: set[str] = set()  # by name: a reconnection gets a new routing id
         self._mismatch_streak: dict[str, int] = {}  # sampler -> consecutive steps far off
@@ -245,6 +267,8 @@ class PromptSource(Actor):
                 "leases_rejected",
                 "quarantined_samplers",
                 "leases_withheld_old_version",
+                "leases_lost_in_transit",
+                "work_states",
                 "samplers_left",
                 "leases_returned_on_leaving",
             ),
@@ -275,6 +299,7 @@ class PromptSource(Actor):
         self._unwelcomed_dropped: dict[str, int] = {}
         self._asked_hello: dict[bytes, float] = {}  # route -> when it was last sent SayHello
         self._credits_clamped: dict[str, int] = {}  # by sampler name: bounded by the peer table
+        self._fences = GrantFences()  # per connection: which leases each WorkGrant follows
 
     async def setup(self, ctx) -> None:
         await super().setup(ctx)
@@ -299,15 +324,18 @@ class PromptSource(Actor):
 
     def _open_journal(self) -> None:
         """Recover what a previous incarnation issued and settled, then journal from here."""
-        if self.ctx.run_dir is None:
+        if self.ctx.run_dir is None or not self.config.journal:
             return  # embedded without a run directory: nothing to survive a restart with
-        directory = RunDir(self.ctx.run_dir).checkpoints_dir
-        journal: Journal[wal.Record, wal.State] = Journal(
-            directory, self.name, wal.Record, wal.State, fsync=self.config.journal_fsync
+        journal, state, records = Journal[wal.Record, wal.State].resumed(
+            RunDir(self.ctx.run_dir).checkpoints_dir,
+            self.name,
+            wal.Record,
+            wal.State,
+            fsync=self.config.journal_fsync,
+            resume=self.ctx.resume,
+            warn=self.ctx.log.warning,
+            otherwise="starting the stream over",
         )
-        if self.ctx.resume and not journal.exists():
-            self.ctx.log.warning("--resume: no lease journal in %s; starting the stream over", directory)
-        state, records = journal.open()
         self._journal = journal
         recovered = wal.recover(state, records)
         self._incarnation = recovered.incarnation + 1
@@ -315,35 +343,43 @@ class PromptSource(Actor):
         journal.append(wal.Started(incarnation=self._incarnation))
         if state is None and not records:
             return
+        self._journaled_incarnation = recovered.learner_incarnation
         # The stream is deterministic per seed: continue it where it stopped.
         self._prompts = prompt_stream(self._task, self.job.seed, start=recovered.issued_tasks)
         self._issued_tasks = recovered.issued_tasks
         self._stored, self._trained = recovered.stored, recovered.trained
         self._dropped_after_store = recovered.dropped_after_store
+        self._next_version, self._learner_incarnation = recovered.next_version, recovered.learner_incarnation
         self._retry.extend((p.task.prompt(), p.attempt) for p in recovered.retry)
+        self._known_samplers = dict(recovered.samplers)
+        self._quarantined |= recovered.quarantined
+        if self.ctx.resume:
+            # Nothing is issued before the resumed learner says where it resumed: a lease
+            # asking for a version of the learner's lost future would wait for ever.
+            self._resumed_learner_after = recovered.learner_incarnation
         now = time.monotonic()
+        # Restarted under a live run, the holder of an open lease may still deliver; else it
+        # expires. Resumed, the holders are gone: each is offered to the Buffer for expiry
+        # now, and the Buffer says whether its group was stored before the stop.
+        deadline = now if self.ctx.resume else now + self.config.lease_ttl_s
         for issued in recovered.open.values():
             prompt = issued.task.prompt()
-            if self.ctx.resume:
-                # A stopped run's samplers are gone with their leases: re-issue each now.
-                self._journal_append(wal.Settled(lease_id=issued.lease_id, requeue=True))
-                self._retry.append((prompt, issued.attempt + 1))
-                continue
-            # Restarted under a live run: the holder may still deliver; else it expires.
+            record = self._lease_record(issued.lease_id, prompt, issued.attempt, issued.sampler)
+            # The holder has not said Hello to this incarnation yet: its name is the journal's.
             record = msgspec.structs.replace(
-                self._lease_record(issued.lease_id, prompt, issued.attempt, issued.sampler), token=issued.token
+                record, token=issued.token, sampler_id=issued.sampler_name or record.sampler_id
             )
             self._leases[issued.lease_id] = _Lease(
                 lease_id=issued.lease_id,
                 prompt=prompt,
                 attempt=issued.attempt,
                 sampler=issued.sampler,
-                deadline=now + self.config.lease_ttl_s,
+                deadline=deadline,
                 record=record,
                 issued=issued,
                 restored=True,
             )
-            heapq.heappush(self._deadlines, (now + self.config.lease_ttl_s, issued.lease_id))
+            heapq.heappush(self._deadlines, (deadline, issued.lease_id))
         self.ctx.log.info(
             "incarnation %d recovered: %d tasks issued, %d leases open, %d to re-issue (journal: %d records, %d torn)",
             self._incarnation, self._issued_tasks, len(self._leases), len(self._retry), len(records), journal.torn_records,
@@ -368,10 +404,23 @@ class PromptSource(Actor):
                 dropped_after_store=self._dropped_after_store,
                 retry=[wal.Pending(wal.Task.of(p), a) for p, a in self._retry],
                 open=[lease.issued for lease in self._leases.values()],
+                next_version=self._next_version,
+                learner_incarnation=self._learner_incarnation,
+                samplers=dict(self._known_samplers),
+                quarantined=sorted(self._quarantined),
             )
         )
 
     async def aclose(self) -> None:
+        if hasattr(self, "_leases"):
+            # What the run stopped in the middle of is unfinished, not lost (the audit checks
+            # every leased task reaches an end); a --resume takes it up again.
+            for lease in self._leases.values():
+                self.ctx.ledger(
+                    ledger.Outstanding(task=lease.prompt.task_id, lease=lease.lease_id, attempt=lease.attempt)
+                )
+            for prompt, attempt in self._retry:
+                self.ctx.ledger(ledger.Outstanding(task=prompt.task_id, attempt=attempt))
         journal = getattr(self, "_journal", None)  # absent when setup failed before it
         if journal is not None:
             self._compact_journal()
@@ -404,6 +453,7 @@ class PromptSource(Actor):
             self._serve_telemetry(),
             self._schedule(),
             self._serve_lease_queries(),
+            self._recall_samplers(),
         )
         self.ctx.record("activation_summary", **self._cost_values())
         await self._announce_end()
@@ -499,18 +549,67 @@ class PromptSource(Actor):
                     self._unwelcomed_dropped[kind] = self._unwelcomed_dropped.get(kind, 0) + 1
                     await self._ask_hello(peer)
                 elif isinstance(message, WorkRequest):
-                    # Clamped: a peer asking for 10^6 leases would get every task the window
-                    # admits, starving the other samplers until those leases expire.
-                    held = sum(1 for lease in self._leases.values() if lease.sampler == peer)
-                    allowed = max(0, self.config.max_credits_per_sampler - held)
-                    wanted = self._credits.get(peer, 0) + max(0, message.credits)
-                    if wanted > allowed:
-                        name = self._sampler_name(peer)
-                        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
-                        wanted = allowed
-                    self._credits[peer] = wanted
                     self._installed[peer] = message.installed_version
+                    if message.states_work:
+                        await self._reconcile(peer, message)
+                    else:
+                        self._add_credits(peer, message.credits)
                     self._wakeup.set()
+
+    def _count_clamped(self, peer: bytes) -> None:
+        name = self._sampler_name(peer)
+        self._credits_clamped[name] = self._credits_clamped.get(name, 0) + 1
+
+    def _add_credits(self, peer: bytes, credits: int) -> None:
+        """The older form of ``WorkRequest``: ``credits`` more, adding up. Clamped: a peer
+        asking for 10^6 leases would get every task the window admits, starving the other
+        samplers until those leases expire."""
+        held = sum(1 for lease in self._leases.values() if lease.sampler == peer)
+        allowed = max(0, self.config.max_credits_per_sampler - held)
+        wanted = self._credits.get(peer, 0) + max(0, credits)
+        if wanted > allowed:
+            self._count_clamped(peer)
+            wanted = allowed
+        self._credits[peer] = wanted
+
+    async def _reconcile(self, peer: bytes, state: WorkRequest) -> None:
+        """A work state (``echo2.actors.work_state``): set the connection's credit from what
+        it can hold and holds, re-issue at once the leases it never received, and answer
+        with the ``WorkGrant`` that fences the leases sent so far."""
+        self.counters["work_states"] += 1
+        mine = [lease for lease in self._leases.values() if lease.sampler == peer]
+        fence = self._fences.fence_of(peer, state.acked) if state.acked else None
+        judged = reconcile(
+            state,
+            (lease.lease_id for lease in mine if not lease.expiring),
+            fence,
+            self.config.max_credits_per_sampler,
+        )
+        if judged.clamped:
+            self._count_clamped(peer)
+        if judged.lost:
+            # Sent before a grant that arrived, yet never received: lost with a torn
+            # connection. Through the Buffer, like any expiry: it may have been stored.
+            now = time.monotonic()
+            for lease_id in judged.lost:
+                self._leases[lease_id].deadline = now
+                heapq.heappush(self._deadlines, (now, lease_id))
+            self.counters["leases_lost_in_transit"] += len(judged.lost)
+            self.ctx.log.info(
+                "sampler %s never received %d lease(s) (a torn connection); re-issuing them",
+                self._sampler_name(peer),
+                len(judged.lost),
+            )
+        self._credits[peer] = judged.credits
+        self._fences.granted(peer, state.sync, (lease.lease_id for lease in mine if lease.restored))
+        grant = WorkGrant(
+            server_id=self.name,
+            sync=state.sync,
+            credits=judged.credits,
+            pending=judged.pending,
+            reissued=len(judged.lost),
+        )
+        await self._tasks_ep.send(peer, grant)
 
     async def _farewell(self, peer: bytes, goodbye: Goodbye) -> None:
         """A sampler leaves: expire what it holds now, forget it, and say so (``GoodbyeSeen``).
@@ -518,6 +617,7 @@ class PromptSource(Actor):
         name = self._peers.name_of(peer)
         self._credits.pop(peer, None)
         self._installed.pop(peer, None)
+        self._fences.forget(peer)
         now = time.monotonic()
         held = [lease for lease in self._leases.values() if lease.sampler == peer and not lease.expiring]
         for lease in held:
@@ -543,6 +643,7 @@ class PromptSource(Actor):
         if isinstance(outcome, Refusal):
             self.counters["refused_peers"] += 1
             self._credits.pop(peer, None)  # a connection refused now keeps nothing it had
+            self._fences.forget(peer)
             if self._peers.name_of(peer) is not None:
                 self._peers.release(peer)
             self.ctx.log.warning("refused sampler %s (%r): %s", hello.peer_id, peer, outcome.message)
@@ -560,9 +661,11 @@ class PromptSource(Actor):
         # restart (on this connection or the one it replaces) is gone: expire its leases now
         # instead of waiting for their deadlines.
         self._credits[peer] = 0
+        self._journal_welcomed(hello.peer_id, peer)
         previous = {peer} if outcome.replaced is None else {peer, outcome.replaced}
         if outcome.replaced is not None:
             self._credits.pop(outcome.replaced, None)
+            self._fences.forget(outcome.replaced)
         now = time.monotonic()
         # Except the leases a previous incarnation of this PromptSource sent on this very
         # connection: the sampler kept running through our restart and may deliver them.
@@ -578,6 +681,30 @@ class PromptSource(Actor):
             self.counters["leases_of_restarted_samplers"] += len(held)
             self.ctx.log.info("sampler %s reconnected; expiring its %d leases", hello.peer_id, len(held))
         await self._tasks_ep.send(peer, Welcome(server_id=self.name, accepted=True, model=self._model))
+
+    def _journal_welcomed(self, name: str, route: bytes) -> None:
+        if self._known_samplers.get(name) == route or len(self._known_samplers) >= _MAX_KNOWN_SAMPLERS:
+            return
+        self._known_samplers[name] = route
+        self._journal_append(wal.Welcomed(name=name, route=route))
+
+    async def _recall_samplers(self) -> None:
+        """Restarted in a live run: ask each sampler welcomed before the restart to say Hello
+        again. One that holds no lease may have nothing to send us, and the credits it
+        granted were lost with our process. Its connection may take a few seconds to come
+        back (a send to it fails until then); tried until ``lease_ttl_s`` has passed."""
+        if self.ctx.resume:
+            return  # a resumed run's samplers are new: they say Hello by themselves
+        waiting = set(self._known_samplers.values())
+        give_up = time.monotonic() + max(self.config.lease_ttl_s, 5.0)
+        while waiting and time.monotonic() < give_up:
+            for route in list(waiting):
+                if self._peers.name_of(route) is not None or route in self._asked_hello:
+                    waiting.discard(route)  # welcomed again, or asked on its own message
+                elif await self._tasks_ep.send(route, SayHello(server_id=self.name)):
+                    self._asked_hello[route] = time.monotonic()
+                    waiting.discard(route)
+            await asyncio.sleep(_RECALL_RETRY_S)  # a timer: the connection comes back by itself
 
     async def _ask_hello(self, peer: bytes) -> None:
         """Tell a connection we do not know to say Hello (a sampler that outlived our
@@ -602,19 +729,39 @@ class PromptSource(Actor):
                 if isinstance(message, LeaseClosed):
                     self._on_closed(message)
                 elif isinstance(message, LearnerProgress):
-                    if message.incarnation > self._learner_incarnation:
-                        # A resumed learner restarts from a checkpoint: its next version
-                        # may be lower than the one its predecessor reached.
-                        self._learner_incarnation = message.incarnation
-                        self._next_version = message.next_version
-                    self._next_version = max(self._next_version, message.next_version)
-                    trained = max(self._trained, message.groups_trained)
-                    dropped = max(self._dropped_after_store, message.groups_dropped_after_store)
-                    if (trained, dropped) != (self._trained, self._dropped_after_store):
-                        self._journal_append(wal.Progress(trained=trained, dropped_after_store=dropped))
-                    self._trained, self._dropped_after_store = trained, dropped
-                    self.scheduler.observe_delivered(message.delivered_by_sampler)
+                    self._on_progress(message)
             self._wakeup.set()
+
+    def _on_progress(self, progress: LearnerProgress) -> None:
+        if progress.buffer_incarnation < self._buffer_incarnation:
+            return  # a dead Buffer incarnation's
+        self._buffer_incarnation = progress.buffer_incarnation
+        if progress.incarnation > self._learner_incarnation:
+            # A resumed learner restarts from a checkpoint: its next version may be lower
+            # than the one its predecessor reached.
+            self._learner_incarnation = progress.incarnation
+            self._next_version = progress.next_version
+        if self._resumed_learner_after is not None and progress.incarnation > self._resumed_learner_after:
+            self._resumed_learner_after = None  # the resumed learner is known: issue again
+        next_version = max(self._next_version, progress.next_version)
+        # The Buffer's counters as they are (its journal keeps them across its restarts): a
+        # learner resume puts the groups it trained after its checkpoint back in the store,
+        # and groups_trained goes down by as many. Kept at their highest, the window would
+        # count them out twice and issue that many tasks too many, for the rest of the run.
+        window = (progress.groups_trained, progress.groups_dropped_after_store, next_version, self._learner_incarnation)
+        if window != (self._trained, self._dropped_after_store, self._next_version, self._journaled_incarnation):
+            self._journal_append(
+                wal.Progress(
+                    trained=progress.groups_trained,
+                    dropped_after_store=progress.groups_dropped_after_store,
+                    next_version=next_version,
+                    learner_incarnation=self._learner_incarnation,
+                )
+            )
+            self._journaled_incarnation = self._learner_incarnation
+        self._trained, self._dropped_after_store = progress.groups_trained, progress.groups_dropped_after_store
+        self._next_version = next_version
+        self.scheduler.observe_delivered(progress.delivered_by_sampler)
 
     def _on_closed(self, closed: LeaseClosed) -> None:
         lease = self._leases.get(closed.lease_id)
@@ -688,6 +835,7 @@ class PromptSource(Actor):
         if name in self._quarantined:
             return
         self._quarantined.add(name)
+        self._journal_append(wal.Quarantined(name=name))
         self.counters["quarantined_samplers"] += 1
         self.ctx.log.warning("quarantined sampler %s: %s", name, reason)
         self.ctx.ledger(ledger.Quarantined(sampler=name, reason=reason))
@@ -795,9 +943,13 @@ class PromptSource(Actor):
             # Round-robin, one lease per sampler per turn: the window is shared out among
             # the samplers that have credit, so one asking for many (up to
             # max_credits_per_sampler) cannot take every task the window admits.
+            if self._resumed_learner_after is not None:
+                continue  # resumed: the learner's version is not known yet
             waiting = deque(peer for peer, credit in self._credits.items() if credit > 0 and self._may_lease_to(peer))
             while waiting and self._inflight() < self._max_inflight:
                 peer = waiting.popleft()
+                if self._credits.get(peer, 0) <= 0:  # a work state or Hello meanwhile took it
+                    continue
                 outcome = await self._lease_one(peer)
                 if outcome == "no_task":
                     break
@@ -821,6 +973,7 @@ class PromptSource(Actor):
             sampler=peer,
             token=record.token,
             fresh=fresh,
+            sampler_name=record.sampler_id,
         )
         lease = _Lease(
             lease_id=lease_id,
@@ -846,31 +999,32 @@ class PromptSource(Actor):
             episode_seed=record.episode_seed,
             episode_meta=lease_meta(record, job.episode.lease_fields),
         )
-        # Open (and journaled) before it is sent: its group may be looked up as soon as it is.
+        # In the ledger, then open (and journaled), before it is sent: its group may be looked
+        # up as soon as it is, and a kill -9 after the send leaves no lease the ledger lacks.
+        self.ctx.ledger(
+            ledger.Leased(task=prompt.task_id, lease=lease.lease_id, attempt=attempt, sampler=self._sampler_name(peer))
+        )
         self._journal_append(issued)
         self._leases[lease.lease_id] = lease
+        # Its credit is used before the send, which may wait: a work state judged meanwhile
+        # counts this lease as on its way, and must not see the credit it took as well.
+        if peer in self._credits:
+            self._credits[peer] -= 1
         if not await self._tasks_ep.send(peer, message):
-            # The sampler is gone: put the task back, forget its credit.
+            # The sampler is gone (or its link is down): put the task back; its credit
+            # comes back with its next work state.
             del self._leases[lease.lease_id]
             self._journal_append(wal.Settled(lease_id=lease_id, requeue=True, front=True))
+            self.ctx.ledger(ledger.LeaseClosed(task=prompt.task_id, lease=lease_id, outcome="expired", reason="unsent"))
             self._retry.appendleft((prompt, attempt))
             if peer in self._credits:
                 self._credits[peer] = 0
             return "gone"
-        self.ctx.ledger(
-            ledger.Leased(
-                task=prompt.task_id,
-                lease=lease.lease_id,
-                attempt=attempt,
-                sampler=self._sampler_name(peer),
-            )
-        )
+        self._fences.lease_sent(peer, lease_id)
         heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
         self.counters["leases_issued"] += 1
         if attempt:
             self.counters["leases_reissued"] += 1
-        if peer in self._credits:  # a Hello during the send may have reset or removed it
-            self._credits[peer] -= 1
         return "leased"
 
 

@@ -12,21 +12,28 @@ chain (``echo2.weights.WeightReceiver``).
 Output: ``RolloutGroup`` on ``rollouts`` (PUSH, to the Rewarders); ``WeightsInstalled`` to the
 WeightPublisher (T_bcast) and on telemetry.
 
-Backpressure: credit-based. It grants ``credits`` leases up front and one more per
-finished group, so it never holds more work than it can start soon; a slow Rewarder makes
-the ``rollouts`` send block, which stops generation and with it new credit.
+Backpressure: credit-based, stated not added (``echo2.actors.work_state``). It can hold
+``credits`` leases; every ``WorkRequest`` states that number, the leases it holds and the
+ones it answered lately, and the PromptSource grants the difference. It states its work
+after each batch, each install and every ``restate_s`` while it holds fewer leases than
+``credits``, so a request or a lease lost with a torn connection (a link outage) costs one
+state, not the rest of the run. A slow Rewarder makes the ``rollouts`` send block, which
+stops generation and with it new credit.
 
 Versions: a lease names ``min_version``; older weights would produce rollouts too stale
 to train, so the sampler waits for a newer install instead of generating. Every
-``WorkRequest`` names the installed version, and each install is reported with one
-(``credits = 0``): the PromptSource leases nothing to a sampler too old to be trained from.
+``WorkRequest`` names the installed version, and each install is reported with one: the
+PromptSource leases nothing to a sampler too old to be trained from.
 
 Leases carry a random ``token`` that each ``RolloutGroup`` echoes (``lease_token``); the
 reference answer never reaches a sampler.
 
 A restarted PromptSource knows no names: it answers this sampler's next message with
-``SayHello``; the sampler says Hello again and re-grants the credits still owed, keeping
-the leases it holds (the PromptSource's journal kept them open).
+``SayHello``; the sampler says Hello again and states its work, keeping the leases it
+holds (the PromptSource's journal kept them open).
+
+A PromptSource that answers none of its work states for ``unreachable_log_s`` (a dead
+link, a stopped data process) is named in a log line every ``unreachable_log_s``.
 
 Multi-turn jobs (``[job.episode]``, ``echo2.envs``): each lease is G episodes, played
 here to their end (``echo2.envs.play``: the environment runs on this machine, so an
@@ -56,8 +63,9 @@ import numpy as np
 from msgspec import Meta
 
 from echo2 import ledger
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped, until_stopping
-from echo2.engines.base import Completion, Engine, SamplingParams, make_engine
+from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped, until_stopping
+from echo2.actors.work_state import SamplerWork
+from echo2.engines.base import Completion, Engine, EngineThread, SamplingParams, make_engine
 from echo2.envs.base import EnvironmentSpec, load_job_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits
@@ -66,7 +74,6 @@ from echo2.errors import ModelMismatch, TransportError
 from echo2.job import JobConfig, JobObjects
 from echo2.messages import (
     INSTALLED_TOPIC,
-    NO_VERSION,
     EpisodeFailed,
     Goodbye,
     GoodbyeSeen,
@@ -79,9 +86,8 @@ from echo2.messages import (
     SamplerStats,
     SayHello,
     TaskLease,
-    WeightsInstalled,
     Welcome,
-    WorkRequest,
+    WorkGrant,
 )
 from echo2.models.location import is_hf_spec
 from echo2.registry import EngineKind
@@ -93,10 +99,17 @@ from echo2.weights.chunks import SnapshotAssembler
 from echo2.weights.link import LinkSpec
 from echo2.weights.plan import DataPlane
 
+STATS_RECORD_S = 5.0
+"""Seconds between two ``stats`` records (generation and weight-path counters) in the
+sampler's metrics file; a last one as it stops."""
+
 
 class SamplerConfig(ActorConfig, frozen=True):
     unreachable_log_s: Annotated[float, Meta(gt=0)] = 5.0
-    """Seconds between two log lines while the PromptSource has not answered our Hello."""
+    """Seconds between two log lines while the PromptSource answers neither our Hello nor our work states."""
+    restate_s: Annotated[float, Meta(gt=0)] = 2.0
+    """Seconds between two work states while this sampler holds fewer leases than
+    ``credits`` (each repairs a request or lease lost with a torn connection)."""
     engine: EngineKind = "torch"
     """Engine kind: "torch" (built-in or Hugging Face model, pure torch), "hf" (same, HF
     only), "vllm" (extra echo2[vllm]) or "simulated" (no compute, for scale tests)."""
@@ -104,7 +117,7 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Keyword arguments of the engine's constructor (``seed`` and ``model_dir`` default
     from the job)."""
     credits: Annotated[int, Meta(ge=1)] = 8
-    """Leases requested up front; one more is requested per finished group."""
+    """Leases this sampler holds at once (asked for in every work state)."""
     max_batch_groups: Annotated[int, Meta(ge=1)] = 8
     """Most leases generated together in one engine call (larger batches decode faster)."""
     batch_wait_s: Annotated[float, Meta(ge=0)] = 0.0
@@ -146,6 +159,9 @@ class SamplerConfig(ActorConfig, frozen=True):
     """Seconds to open a chunk stream to the next member."""
     weights_repair_window_bytes: Annotated[int, Meta(gt=0)] = 4 << 20
     """Repair bytes this sampler may have requested and not yet received."""
+    weights_max_streams: Annotated[int, Meta(ge=1, le=1024)] = 128
+    """Parallel TCP streams, at most, to the next member of a relay chain (and dialed to the
+    publisher from a host with ``inbound = false``); the number used adapts to the path."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
     environment_threads: Annotated[int, Meta(ge=1)] = 8
@@ -191,11 +207,16 @@ class Sampler(Actor):
                 kwargs["prompt_format"] = self.job.prompt_format
             if self.job.model:
                 kwargs.setdefault("model_dir", self.job.model)
-        self.engine: Engine = await asyncio.to_thread(make_engine, kind, **kwargs)
+        if kind == "vllm":
+            # A LoRA run's rollouts in flight finish under their own adapter version.
+            kwargs.setdefault("resident_adapters", self.job.staleness + 1)
+        self._engine_thread = EngineThread(self.name)
+        self.engine: Engine = await self._engine_thread.call(make_engine, kind, **kwargs)
         # One routing id per connection (never the bare name: echo2.transport.peers).
         self._tasks = ctx.open("tasks", identity=connection_routing_id(self.name))
         self._rollouts = ctx.open("rollouts")
         self._weights = ctx.open("weights", identity=connection_routing_id(self.name))
+        inbox = ctx.addresses("weights")  # where the relay inbox listens, or whom to dial
         self._receiver = WeightReceiver(
             ctx.transport,
             self._weights,
@@ -211,6 +232,11 @@ class Sampler(Actor):
             on_complete=self._on_complete,
             verify_manifest=_manifest_verifier(self.config.manifest_verify_key),
             sealed=ctx.sealed_weights,
+            finish_within=self.job.staleness,
+            max_streams=self.config.weights_max_streams,
+            relay_bind=inbox.stream_bind,
+            relay_announce=inbox.stream_announce,
+            dial=inbox.stream_dial[0] if inbox.stream_dial else "",
         )
         self._receiver.open()
         self._episodes: _Episodes | None = None
@@ -222,7 +248,8 @@ class Sampler(Actor):
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
         self._lease_arrived = asyncio.Event()
-        self._owed = 0  # leases granted by credits sent, not yet received
+        self._work = SamplerWork(self.name, self.config.credits, self.config.restate_s)
+        self._answered_s = time.monotonic()  # last WorkGrant, lease or Welcome on ``tasks``
         self._wake = asyncio.Event()  # work arrived or a version is ready to install
         self._weights_ready = asyncio.Event()
         self._ready: SnapshotAssembler | None = None
@@ -265,13 +292,13 @@ class Sampler(Actor):
         return Hello(peer_id=self.name, role="sampler", pid=os.getpid(), host=socket.gethostname())
 
     async def _on_welcome_again(self, reply: Welcome) -> None:
-        """The answer to a Hello sent on ``SayHello`` (the PromptSource restarted): re-grant
-        the credits whose leases never came; the leases this sampler holds stay its own."""
+        """The answer to a Hello sent on ``SayHello`` (the PromptSource restarted): state our
+        work; the leases this sampler holds stay its own."""
         if reply.accepted:
             self.ctx.log.info(
-                "welcomed again by %s (it restarted); re-granting %d credits", reply.server_id, self._owed
+                "welcomed again by %s (it restarted); holding %d leases", reply.server_id, len(self._work.held)
             )
-            await self._tasks.send(self._work_request(self._owed))
+            await self._state_work()
             return
         if reply.retry_after_s <= 0:
             raise TransportError(f"PromptSource {reply.server_id} refused this sampler: {reply.reason}")
@@ -301,6 +328,7 @@ class Sampler(Actor):
     def statistics(self) -> SamplerStats:
         receiver = getattr(self, "_receiver", None)
         received = receiver.statistics() if receiver is not None else {}
+        work: SamplerWork | None = getattr(self, "_work", None)
         return SamplerStats(
             **self.counters,
             manifests_rejected=int(received.get("manifests_rejected", 0)),
@@ -313,6 +341,10 @@ class Sampler(Actor):
             weight_requested_bytes_received=int(received.get("requested_bytes_received", 0)),
             weight_stream_bytes=int(received.get("stream_bytes_received", 0)),
             weight_forward_failures=int(received.get("forward_failures", 0)),
+            work_states=work.states_sent if work is not None else 0,
+            work_restates_for_loss=work.restates_for_loss if work is not None else 0,
+            weight_versions_finished=int(received.get("versions_finished", 0)),
+            weight_versions_abandoned=int(received.get("versions_abandoned", 0)),
             installed_version=self._installed.version if self._installed is not None else -1,
             env_stuck_threads=self._episodes.calls.stuck if self._episodes is not None else 0,
             generate_s=self.generate_s,
@@ -325,6 +357,9 @@ class Sampler(Actor):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        thread = getattr(self, "_engine_thread", None)
+        if thread is not None:
+            thread.close()
         receiver = getattr(self, "_receiver", None)
         if receiver is not None:
             receiver.close()
@@ -342,7 +377,12 @@ class Sampler(Actor):
             # Until the process stops, or the PromptSource says the run is over (RunEnded):
             # then this actor returns, which completes the run for its process.
             loops = run_until_stopped(
-                self._run_ended, self._receive_leases(), self._receive_weights(), self._generate()
+                self._run_ended,
+                self._receive_leases(),
+                self._receive_weights(),
+                self._generate(),
+                self._restate(),
+                record_statistics(self, STATS_RECORD_S),
             )
             await until_stopping(self.ctx.stopping, loops)
             if not self._run_ended.is_set() and self.config.goodbye_timeout_s > 0:
@@ -368,11 +408,19 @@ class Sampler(Actor):
             )
 
     async def _receive_leases(self) -> None:
-        self._owed += self.config.credits
-        await self._tasks.send(self._work_request(self.config.credits))
+        await self._state_work()
         while True:
             for message in await self._tasks.recv_many():
-                if isinstance(message, RunEnded):
+                if isinstance(message, WorkGrant | TaskLease | Welcome):
+                    self._answered_s = time.monotonic()
+                if isinstance(message, WorkGrant):
+                    if self._work.granted(message):
+                        self.ctx.log.info(
+                            "leases sent to this sampler were lost on the way (%d expected); stating our work again",
+                            message.pending,
+                        )
+                        await self._state_work()
+                elif isinstance(message, RunEnded):
                     self.ctx.log.warning("the run is over (%s: %s); stopping", message.server_id, message.reason)
                     await self._tasks.send(RunEndedSeen(sampler_id=self.name))
                     self._run_ended.set()
@@ -384,20 +432,45 @@ class Sampler(Actor):
                 elif isinstance(message, Welcome):
                     await self._on_welcome_again(message)
                 elif isinstance(message, TaskLease):
-                    self._owed = max(0, self._owed - 1)
+                    self._work.received(message.lease_id)
                     self._leases.append(message)
                     self._have_work.set()
                     self._lease_arrived.set()
                     self._wake.set()
 
-    def _work_request(self, credits: int) -> WorkRequest:
-        installed = self._installed or NO_VERSION
-        return WorkRequest(
-            sampler_id=self.name,
-            credits=credits,
-            incarnation=installed.incarnation,
-            installed_version=installed.version,
-        )
+    async def _state_work(self) -> None:
+        """Tell the PromptSource what we can hold, hold and answered (``WorkRequest``)."""
+        await self._tasks.send(self._work.state(self._installed))
+
+    async def _restate(self) -> None:
+        """While holding fewer leases than ``credits``: state our work every ``restate_s``
+        (it repairs what a torn connection lost), and say so when nothing answers."""
+        last_warned = time.monotonic()
+        interval = min(self.config.restate_s, self.config.unreachable_log_s) / 2
+        while True:
+            await asyncio.sleep(interval)  # a timer: states are periodic
+            now = time.monotonic()
+            if not self._welcomed:
+                continue
+            if self._work.due(now):
+                await self._state_work()
+            silent_s = now - self._answered_s
+            # Short of work, and our states unanswered: a full sampler needs no answer.
+            waiting = self._work.sync > self._work.acked and len(self._work.held) < self._work.max_leases
+            if (
+                waiting
+                and silent_s >= self.config.unreachable_log_s
+                and now - last_warned >= self.config.unreachable_log_s
+            ):
+                last_warned = now
+                where = ", ".join(self._tasks.endpoints) or "tasks"
+                self.ctx.log.warning(
+                    "no answer from the PromptSource at %s to our work states for %.1f s (holding %d of %d leases): is the link up?",
+                    where,
+                    silent_s,
+                    len(self._work.held),
+                    self._work.max_leases,
+                )
 
     async def _receive_weights(self) -> None:
         await self._receiver.run()
@@ -419,33 +492,28 @@ class Sampler(Actor):
             return
         started = time.perf_counter()
         installed = ready.key
-        await asyncio.to_thread(self.engine.install_weights, ready.tensors(), installed.version)
+        adapter = ready.manifest.adapter  # a LoRA run's versions are adapters on the base model
+        if adapter is not None:
+            await self._engine_thread.call(self.engine.install_adapter, ready.tensors(), adapter, installed.version)
+        else:
+            await self._engine_thread.call(self.engine.install_weights, ready.tensors(), installed.version)
         self._installed = installed
         install_s = time.perf_counter() - started
         self.counters["installs"] += 1
-        await self._receiver.report_installed(installed, install_s)
+        report = await self._receiver.report_installed(installed, install_s)
         if self._welcomed:
-            await self._tasks.send(self._work_request(0))  # the PromptSource may lease to us now
-        await self.ctx.publish_telemetry(
-            INSTALLED_TOPIC,
-            WeightsInstalled(
-                sampler_id=self.name,
-                incarnation=installed.incarnation,
-                version=installed.version,
-                install_s=install_s,
-                time_s=time.time(),
-            ),
-        )
+            await self._state_work()  # the PromptSource may lease to us now
+        await self.ctx.publish_telemetry(INSTALLED_TOPIC, report)
 
     async def _fill_batch(self) -> None:
         """Give leases already granted up to ``batch_wait_s`` to arrive (see the config)."""
         wait_s, full = self.config.batch_wait_s, self.config.max_batch_groups
-        if wait_s <= 0 or len(self._leases) >= full or self._owed <= 0:
+        if wait_s <= 0 or len(self._leases) >= full or self._work.owed <= 0:
             return
         deadline = asyncio.get_running_loop().time() + wait_s
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
-                while len(self._leases) < full and self._owed > 0:
+                while len(self._leases) < full and self._work.owed > 0:
                     self._lease_arrived.clear()
                     await self._lease_arrived.wait()
 
@@ -494,7 +562,7 @@ class Sampler(Actor):
         params = SamplingParams(temperature=first.temperature, top_p=first.top_p, max_new_tokens=first.max_new_tokens)
         prompt_ids = [self.engine.encode_prompt(lease.prompt) for lease in batch]
         started = time.perf_counter()
-        rows = await asyncio.to_thread(self.engine.generate, prompt_ids, first.group_size, params)
+        rows = await self._engine_thread.call(self.engine.generate, prompt_ids, first.group_size, params)
         elapsed = time.perf_counter() - started
         self.generate_s += elapsed
         for lease, ids, completions in zip(batch, prompt_ids, rows, strict=True):
@@ -504,8 +572,13 @@ class Sampler(Actor):
             self.counters["groups_sent"] += 1
             self.counters["samples_generated"] += len(completions)
             self.counters["tokens_generated"] += int(group.offsets[-1])
-        self._owed += len(batch)
-        await self._tasks.send(self._work_request(len(batch)))
+        await self._answered(batch)
+
+    async def _answered(self, batch: list[TaskLease]) -> None:
+        """The batch's leases are answered (groups or failures sent): state our work, and
+        the PromptSource grants what we can hold and do not."""
+        self._work.answered(lease.lease_id for lease in batch)
+        await self._state_work()
 
     async def _play_batch(self, batch: list[TaskLease], episodes: _Episodes) -> None:
         """Play each lease's G episodes (``echo2.envs.play``), all leases' turns together;
@@ -529,7 +602,7 @@ class Sampler(Actor):
         async def generate(contexts: list[list[int]], params: SamplingParams) -> list[Completion]:
             nonlocal generate_s
             started = time.perf_counter()
-            rows = await asyncio.to_thread(self.engine.generate, contexts, 1, params)
+            rows = await self._engine_thread.call(self.engine.generate, contexts, 1, params)
             generate_s += time.perf_counter() - started
             return [row[0] for row in rows]
 
@@ -598,8 +671,7 @@ class Sampler(Actor):
             self.counters["episodes_played"] += len(results)
             self.counters["samples_generated"] += len(results)
             self.counters["tokens_generated"] += int(group.loss_mask().sum())
-        self._owed += len(batch)
-        await self._tasks.send(self._work_request(len(batch)))
+        await self._answered(batch)
 
 
 class _Episodes:

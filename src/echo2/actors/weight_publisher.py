@@ -2,11 +2,15 @@
 
 Role: dissemination (``echo2.weights.WeightBroadcaster`` does the work). For each
 ``Snapshot`` it builds a ``WeightManifest`` (layout, a BLAKE3 digest per chunk and for
-the whole) in a worker thread, computes a ``RelayPlan`` from the live samplers (those whose
-``WeightSubscribe`` lease is fresh), sends each the plan and the manifest, and streams the
-chunks to the seeds: every sampler in ``star`` mode, the head of one chain in ``relay``
-mode, the heads of ``stripes`` rotated chains in ``striped`` mode. Samplers forward each
-verified chunk down their chain as it lands. Chunks are views into the snapshot: no copy,
+the whole) in a worker thread, computes a relay plan from the live samplers (those whose
+``WeightSubscribe`` lease is fresh), sends each its place in the plan and the manifest,
+and streams the chunks to the seeds: every sampler in ``star`` mode; in ``relay`` mode the
+head of one chain up to ``relay_depth`` samplers, beyond that the roots of ``f`` stripes'
+trees of fan-out ``f`` (the smallest that keeps every sampler within ``relay_depth`` hops);
+in ``striped`` mode the heads of ``stripes`` rotated chains (or trees). Samplers forward
+each verified chunk to the ones they feed as it lands. Samplers that lag the ones feeding
+them (measured from their ``WeightsReceived``) are placed where they feed nobody
+(``echo2.weights.plan.Placement``). Chunks are views into the snapshot: no copy,
 and the snapshot is never written (the Learner hands over a fresh buffer each time).
 
 Repair and late joiners: a sampler missing chunks (lost, corrupt, dead predecessor) asks
@@ -15,7 +19,16 @@ and repairs the whole version from here, without waiting for a publication.
 
 T_bcast: from publication until ``ceil(active / gamma)`` of the samplers active at
 publication have reported ``WeightsInstalled`` (on the reliable ``weights`` channel);
-recorded as ``broadcast`` metrics and exposed as ``t_bcast_s`` in ``statistics()``.
+every version gets one ``broadcast`` record (T_bcast, or none when it never reached the
+threshold, and how many members installed it); ``statistics()`` exposes the estimate.
+
+Publication that adapts (``publication = "adaptive"``, ``echo2.capacity.publication``):
+while T_bcast <= kappa x T_train every snapshot is published at once. When broadcast is
+slower, a newer snapshot waits while the version in flight can still land within the
+staleness budget S (only the newest waiting one is kept: the others are skipped), so that
+versions finish instead of cancelling each other mid-stream; and a log line (at most every
+``BOTTLENECK_LOG_S``, also recorded as ``publication`` metrics) says what S or what bytes
+per version would restore overlap.
 
 Input: ``snapshots`` (PULL, bound; the Learner connects, inproc when co-located).
 Control: ``weights`` (ROUTER, bound; samplers connect a DEALER).
@@ -37,25 +50,32 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Annotated, ClassVar
+import time
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta
 
-from echo2.actor import Actor, ActorConfig, Port, run_until_stopped
+from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped
+from echo2.capacity.publication import Bottleneck, PublicationPolicy
 from echo2.messages import PublisherStats, Snapshot
 from echo2.weights import GAMMA, WeightBroadcaster
 from echo2.weights.chunks import DEFAULT_CHUNK_BYTES
 from echo2.weights.link import LinkSpec
-from echo2.weights.plan import RelayMode
+from echo2.weights.plan import MAX_DEPTH, RelayMode
 
 
 class WeightPublisherConfig(ActorConfig, frozen=True):
     chunk_bytes: Annotated[int, Meta(ge=1024, le=32 * 1024 * 1024)] = DEFAULT_CHUNK_BYTES
     """Chunk size in bytes (1-4 MB is right for WAN links; smaller pipelines deeper)."""
     mode: RelayMode = "relay"
-    """"star" (send to every sampler), "relay" (one chain) or "striped" (``stripes`` chains)."""
+    """"star" (send to every sampler), "relay" (samplers forward to each other: one chain up
+    to ``relay_depth`` samplers, beyond that trees whose fan-out grows with their number) or
+    "striped" (``stripes`` rotated chains or trees)."""
     stripes: Annotated[int, Meta(ge=1)] = 2
-    """Chains in striped mode."""
+    """Chains (or trees) in striped mode."""
+    relay_depth: Annotated[int, Meta(ge=1, le=4096)] = MAX_DEPTH
+    """Most samplers a chunk passes through on its way to the farthest one (each adds a
+    hop's latency): relay plans of more samplers are trees of growing fan-out."""
     uplink_mbps: Annotated[float, Meta(ge=0)] = 0.0
     """Emulated uplink cap on the weight path, Mbit/s (0: uncapped)."""
     member_ttl_s: Annotated[float, Meta(gt=0)] = 5.0
@@ -65,6 +85,9 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     the seed is skipped for the version."""
     connect_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds to open a chunk stream to a seed."""
+    max_streams: Annotated[int, Meta(ge=1, le=1024)] = 128
+    """Parallel TCP streams to each sampler, at most; the number used adapts to each path
+    (1 on a clean one; at 200 ms and 1% loss a reno stream carries ~0.6 Mbit/s)."""
     gamma: Annotated[float, Meta(ge=1)] = GAMMA
     """T_bcast counts until ceil(active / gamma) samplers installed the version."""
     shm_dir: str = ""
@@ -77,6 +100,16 @@ class WeightPublisherConfig(ActorConfig, frozen=True):
     signing_key: str = ""
     """Ed25519 private key (PEM) to sign every manifest; samplers with the public key
     install nothing else. Make one with ``python -m echo2.keys --sign``."""
+    publication: Literal["adaptive", "every"] = "adaptive"
+    """"adaptive": a newer snapshot waits while the version in flight can still land within
+    S (``echo2.capacity.publication``); "every": each snapshot at once, superseding it."""
+
+
+STATS_RECORD_S = 5.0
+"""Seconds between two ``stats`` records (the weight path's counters: repairs, forward and
+send failures, supersessions, expiries, bytes) in the publisher's metrics file."""
+BOTTLENECK_LOG_S = 30.0
+"""Seconds between two log lines saying that broadcast is the bottleneck."""
 
 
 class WeightPublisher(Actor):
@@ -113,17 +146,41 @@ class WeightPublisher(Actor):
             shm_dir=self.config.shm_dir or None,
             sealed=ctx.sealed_weights,
             delta_anchor_every=self.config.delta_anchor_every,
+            max_depth=self.config.relay_depth,
+            max_streams=self.config.max_streams,
+            dial_in=ctx.addresses("weights").stream_bind,
         )
         self.counters = {"snapshots": 0, "skipped": 0}
+        self._policy = PublicationPolicy(self.job.staleness)
+        self._incarnation: int | None = None
+        self._waiting: Snapshot | None = None  # the newest snapshot not yet published
+        self._decide = asyncio.Event()
+        self._recheck: asyncio.TimerHandle | None = None
+        self._t_train_s = 0.0
+        self._wire_bytes = 0  # of the last published version
+        self._bottleneck: Bottleneck | None = None
+        self._bottleneck_said_s = -math.inf
 
     def _on_bcast(self, values: dict) -> None:
         self.ctx.record("broadcast", **values)
-        self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], values["t_bcast_s"])
+        t_bcast_s = values["t_bcast_s"]
+        if t_bcast_s is None:
+            self.ctx.log.debug(
+                "v%d: installed by %d of %d, no T_bcast", values["version"], values["installed"], values["active"]
+            )
+            return
+        self.ctx.log.debug("T_bcast v%d: %.3f s", values["version"], t_bcast_s)
+        if values["incarnation"] == self._incarnation:
+            self._policy.reached(values["version"], t_bcast_s)
+            self._decide.set()  # a snapshot may be waiting for this version to land
 
     def statistics(self) -> PublisherStats:
         b = self.broadcaster.statistics()
         latest = self.broadcaster.latest_key
-        t_bcast_s = b["t_bcast_s"]
+        t_bcast_s, lower_bound = b["t_bcast_s"], False
+        estimate = self._policy.t_bcast_s(time.monotonic())
+        if estimate is not None:
+            t_bcast_s, lower_bound = estimate
         return PublisherStats(
             snapshots=self.counters["snapshots"],
             skipped=self.counters["skipped"],
@@ -146,20 +203,34 @@ class WeightPublisher(Actor):
             delta_fallbacks=int(b["delta_fallbacks"]),
             delta_dense_requests=int(b["delta_dense_requests"]),
             members=int(b["members"]),
+            dialed_streams=int(b["dialed_streams"]),
+            max_streams=int(b["max_streams"]),
             uplink_bytes=int(b["uplink_bytes"]),
             latest_version=latest.version if latest is not None else -1,
             t_bcast_s=t_bcast_s if not math.isnan(t_bcast_s) else -1.0,
+            t_bcast_lower_bound=lower_bound,
+            held=self._policy.held,
+            broadcast_bound=self._bottleneck is not None,
             refused_subscribers=self.broadcaster.refused_subscribers,
             unbound_dropped=dict(self.broadcaster.unbound_dropped),
         )
 
     async def aclose(self) -> None:
+        recheck: asyncio.TimerHandle | None = getattr(self, "_recheck", None)
+        if recheck is not None:
+            recheck.cancel()
         broadcaster = getattr(self, "broadcaster", None)
         if broadcaster is not None:
             broadcaster.close()
 
     async def run(self) -> None:
-        await run_until_stopped(self.ctx.stopping, self._receive_snapshots(), self.broadcaster.run())
+        await run_until_stopped(
+            self.ctx.stopping,
+            self._receive_snapshots(),
+            self._publish_snapshots(),
+            self.broadcaster.run(),
+            record_statistics(self, STATS_RECORD_S),
+        )
 
     async def _receive_snapshots(self) -> None:
         while True:
@@ -168,11 +239,68 @@ class WeightPublisher(Actor):
                 continue
             newest = max(batch, key=lambda s: s.policy_version)
             self.counters["snapshots"] += len(batch)
-            self.counters["skipped"] += len(batch) - 1
-            snapshot, manifest = await asyncio.to_thread(self.broadcaster.prepare, newest)
-            # Off the loop and off the learner's path, like prepare (measured: encode_s).
-            delta = await asyncio.to_thread(self.broadcaster.prepare_delta, newest, manifest)
-            if self._signer is not None:
-                manifest = self._signer.sign(manifest)
-                delta = delta.signed(self._signer.sign) if delta is not None else None
-            self.broadcaster.publish_nowait(snapshot, manifest, delta)
+            self.counters["skipped"] += len(batch) - 1 + (self._waiting is not None)
+            if newest.incarnation != self._incarnation:  # a resumed learner counts versions anew
+                self._incarnation = newest.incarnation
+                self._policy = PublicationPolicy(self.job.staleness)
+            self._policy.snapshot_arrived(newest.version, time.monotonic())
+            if newest.train_s > 0:
+                self._t_train_s = newest.train_s
+            self._waiting = newest
+            self._decide.set()
+
+    async def _publish_snapshots(self) -> None:
+        """Publish the newest snapshot now, or once the version in flight lands (or would
+        land too stale to be worth it): ``echo2.capacity.publication``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._decide.wait()
+            self._decide.clear()
+            snapshot = self._waiting
+            if snapshot is None:
+                continue
+            now = time.monotonic()
+            self._say_bottleneck(now)
+            hold_s = self._policy.hold_s(snapshot.version, now) if self.config.publication == "adaptive" else 0.0
+            if self._recheck is not None:
+                self._recheck.cancel()
+                self._recheck = None
+            if hold_s > 0:
+                self._recheck = loop.call_later(hold_s, self._decide.set)
+                continue
+            self._waiting = None
+            await self._publish(snapshot)
+
+    async def _publish(self, newest: Snapshot) -> None:
+        snapshot, manifest = await asyncio.to_thread(self.broadcaster.prepare, newest)
+        # Off the loop and off the learner's path, like prepare (measured: encode_s).
+        delta = await asyncio.to_thread(self.broadcaster.prepare_delta, newest, manifest)
+        if self._signer is not None:
+            manifest = self._signer.sign(manifest)
+            delta = delta.signed(self._signer.sign) if delta is not None else None
+        self.broadcaster.publish_nowait(snapshot, manifest, delta)
+        self._wire_bytes = int(delta.payload.nbytes) if delta is not None else manifest.total_bytes
+        self._policy.published(newest.version, len(self.broadcaster.members()), time.monotonic())
+
+    def _say_bottleneck(self, now: float) -> None:
+        """Whether broadcast is slower than training; if so, say (at most every
+        ``BOTTLENECK_LOG_S``) what would restore overlap, and record it."""
+        self._bottleneck = self._policy.bottleneck(self._t_train_s, self._wire_bytes, now)
+        if self._bottleneck is None or now - self._bottleneck_said_s < BOTTLENECK_LOG_S:
+            return
+        self._bottleneck_said_s = now
+        b = self._bottleneck
+        self.ctx.log.warning("%s", b.describe(self.job.staleness, self._wire_bytes))
+        self.ctx.record(
+            "publication",
+            t_bcast_s=round(b.t_bcast_s, 4),
+            t_bcast_lower_bound=b.lower_bound,
+            kappa=b.kappa,
+            t_train_s=round(b.t_train_s, 5),
+            bytes_per_version=self._wire_bytes,
+            kappa_needed=b.remedy.kappa,
+            staleness_needed=b.remedy.staleness,
+            bytes_per_version_needed=b.remedy.bytes_per_version,
+            held=self._policy.held,
+            skipped=self.counters["skipped"],
+        )

@@ -10,6 +10,9 @@ rollouts/s (completed, scored, in the buffer); c_i = its price per hour; rho_i =
   target:       mu_target = gamma * mu_min,  gamma = 1.1
   staleness:    S_worst = kappa + ceil((T_bcast + R / mu_pool) / T_train) - 1
   activation:   min sum(c_i) s.t. sum(mu_i) >= mu_target; greedy by rho (paper)
+  broadcast:    kappa * T_train >= T_bcast (the overlap condition without generation);
+                when it fails, ``broadcast_remedy`` says which kappa (S) or payload restores
+                it, and the publisher publishes less often (``echo2.capacity.publication``)
 
 Our choices where the paper is silent:
 - Bubble model (`predicted_bubble_ratio`). One publication cycle: the learner trains for
@@ -79,6 +82,37 @@ def t_bcast_for_bytes(bytes_per_version: float, link_mbps: float) -> float:
     if not (link_mbps > 0 and bytes_per_version >= 0):
         raise ValueError(f"need link_mbps > 0 and bytes_per_version >= 0, got {link_mbps}, {bytes_per_version}")
     return bytes_per_version * 8 / (link_mbps * 1e6)
+
+
+@dataclass(frozen=True)
+class BroadcastRemedy:
+    """What would hide a measured T_bcast behind training again (the overlap condition's
+    broadcast term, kappa * T_train >= T_bcast)."""
+
+    kappa: int
+    """Updates per publication that would do it."""
+    staleness: int
+    """The budget S that gives that kappa by default (the learner's kappa = max(1, S - 1))."""
+    bytes_per_version: int
+    """Bytes per version that would broadcast within kappa * T_train at the measured rate
+    (T_bcast scales with the bytes a version puts on the wire, ``t_bcast_for_bytes``)."""
+
+
+def broadcast_remedy(kappa: int, T_train_s: float, T_bcast_s: float, bytes_per_version: int) -> BroadcastRemedy | None:
+    """None when kappa * T_train >= T_bcast (broadcast hides behind training); else the
+    smallest kappa (and S) and the largest payload that would restore it, each alone."""
+    if kappa < 1 or T_train_s <= 0 or T_bcast_s < 0 or bytes_per_version < 0:
+        raise ValueError(
+            f"need kappa >= 1, T_train_s > 0, T_bcast_s >= 0, bytes >= 0; got {kappa}, {T_train_s}, {T_bcast_s}, {bytes_per_version}"
+        )
+    if kappa * T_train_s >= T_bcast_s:
+        return None
+    needed = max(kappa + 1, math.ceil(T_bcast_s / T_train_s))
+    return BroadcastRemedy(
+        kappa=needed,
+        staleness=needed + 1,
+        bytes_per_version=int(bytes_per_version * kappa * T_train_s / T_bcast_s),
+    )
 
 
 def mu_target(mu_min: float, gamma: float = 1.1) -> float:

@@ -16,19 +16,23 @@ Contract:
 - ``token_ids`` include the final EOS when ``finish_reason == "eos"``; ``text`` does not.
 - ``install_weights`` is atomic: after it returns the engine serves the new version, and
   when it raises (ValueError for a layout mismatch) nothing changed. It may be called from
-  another thread; it then waits for a running ``generate`` to finish.
+  another thread; it then waits for a running ``generate`` to finish. ``install_adapter``
+  is the same for a version that is a LoRA adapter on the base model (a LoRA run).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from echo2.messages import ModelIdentity
+from echo2.messages import LoraAdapter, ModelIdentity
 from echo2.registry import ENGINES, EngineKind
 
 FINISH_EOS = "eos"
@@ -83,6 +87,13 @@ def validate_weights(tensors: Mapping[str, np.ndarray], layout: TensorLayout) ->
             raise ValueError(f"weight {name!r} is {got_dtype}{list(got_shape)}, the model expects {dtype}{list(shape)}")
 
 
+def check_no_adapter(adapter: object | None) -> None:
+    """``install_weights`` of an engine that serves a LoRA adapter: a full state does not fit
+    its adapted modules (a run publishes adapters or full states, never both)."""
+    if adapter is not None:
+        raise ValueError("this engine serves LoRA adapters (install_adapter); a full state cannot be installed")
+
+
 class Engine(ABC):
     """A policy that generates completions; see the module docstring for the contract."""
 
@@ -107,6 +118,12 @@ class Engine(ABC):
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         """Atomically replace all weights and set ``version``; ValueError leaves both unchanged."""
 
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
+        """Atomically make the LoRA adapter ``tensors`` (``echo2.models.adapters``) the one
+        served on the base model and set ``version``; ValueError leaves both unchanged.
+        Its cost must not grow with the base model (no merge)."""
+        raise ValueError(f"the {type(self).__name__} does not serve LoRA adapters")
+
     @abstractmethod
     def state_layout(self) -> TensorLayout:
         """Name -> (shape, numpy dtype string) of every tensor ``install_weights`` expects."""
@@ -125,6 +142,31 @@ class Engine(ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """Where one engine's blocking calls run: a thread of its own, off the event loop.
+
+    An engine's calls are serial anyway (``install_weights`` waits for ``generate``), so one
+    thread per engine is what lets N engines in one process (simulated samplers, or one
+    process driving several GPUs) run N calls at once: asyncio's shared default pool holds
+    ``cpu_count + 4`` threads, and a 65th sampler in a process would wait for a free one.
+    Threads that compute (torch) are bounded by the process's torch thread share, not here.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{name}")
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Let the running call finish; start no other."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def make_engine(kind: EngineKind, **kwargs: Any) -> Engine:

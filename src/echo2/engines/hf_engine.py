@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,11 +33,15 @@ from echo2.engines.base import (
     SamplingParams,
     TensorLayout,
     check_generate_args,
+    check_no_adapter,
 )
 from echo2.engines.torch_engine import sample_next
 from echo2.job import PromptFormat
-from echo2.messages import ModelIdentity
+from echo2.messages import LoraAdapter, ModelIdentity
 from echo2.models.policy import Policy, load_policy
+
+if TYPE_CHECKING:
+    from echo2.models.adapters import AdapterSlot
 
 _WIRE_FLOATS = {"float32", "float16", "uint16"}
 
@@ -183,6 +187,7 @@ class HFTorchEngine(Engine):
         self._version = version
         self._lock = threading.Lock()
         self._layout: TensorLayout = policy.wire_layout()
+        self._adapter: AdapterSlot | None = None  # a LoRA run's (install_adapter)
         self._closed = False
 
     @property
@@ -241,9 +246,20 @@ class HFTorchEngine(Engine):
 
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         self._check_open()
+        check_no_adapter(self._adapter)
         validate_wire(tensors, self._layout)
         with self._lock:
             self.policy.install_wire(tensors)
+            self._version = version
+
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
+        self._check_open()
+        with self._lock:
+            if self._adapter is None:
+                from echo2.models.adapters import AdapterSlot
+
+                self._adapter = AdapterSlot(self._hf)
+            self._adapter.install(tensors, adapter)  # raises before anything changes
             self._version = version
 
     def model_identity(self) -> ModelIdentity:

@@ -37,6 +37,7 @@ from echo2.engines.base import (
     TensorLayout,
     check_generate_args,
 )
+from echo2.messages import LoraAdapter
 from echo2.models.tokenizer import CharTokenizer
 
 _ADDITION_PROMPT = re.compile(r"(\d+)\+(\d+)=")
@@ -137,6 +138,9 @@ class SimulatedEngine(Engine):
                 return text
 
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+        self._version = version
+
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
         self._version = version
 
     def state_layout(self) -> TensorLayout:

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,10 +33,14 @@ from echo2.engines.base import (
     SamplingParams,
     TensorLayout,
     check_generate_args,
+    check_no_adapter,
     validate_weights,
 )
-from echo2.messages import ModelIdentity
+from echo2.messages import LoraAdapter, ModelIdentity
 from echo2.models import CharTokenizer, KVCache, TinyTransformer, default_checkpoint_dir
+
+if TYPE_CHECKING:
+    from echo2.models.adapters import AdapterSlot
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -211,6 +216,7 @@ class TorchEngine(Engine):
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._version = version
         self._lock = threading.Lock()  # serialises generate and install_weights
+        self._adapter: AdapterSlot | None = None  # a LoRA run's (install_adapter)
         self._layout: TensorLayout = {
             name: (tuple(t.shape), _dtype_name(t.dtype)) for name, t in model.state_dict().items()
         }
@@ -272,6 +278,7 @@ class TorchEngine(Engine):
 
     def install_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         self._check_open()
+        check_no_adapter(self._adapter)
         validate_weights(tensors, self._layout)  # raises before anything changes
         sources = {
             # from_numpy shares memory; a read-only buffer (e.g. a received frame) is copied
@@ -282,6 +289,16 @@ class TorchEngine(Engine):
         with self._lock, torch.no_grad():
             for name, target in self._model.state_dict().items():
                 target.copy_(sources[name])
+            self._version = version
+
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
+        self._check_open()
+        with self._lock:
+            if self._adapter is None:
+                from echo2.models.adapters import AdapterSlot
+
+                self._adapter = AdapterSlot(self._model)
+            self._adapter.install(tensors, adapter)  # raises before anything changes
             self._version = version
 
     def model_identity(self) -> ModelIdentity:

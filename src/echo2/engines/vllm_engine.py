@@ -14,6 +14,12 @@ vLLM is imported when the engine is built, never at module import of echo2.
   weights). With ``weight_update="native"`` it uses vLLM's weight-transfer API instead
   (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) where the
   installed vLLM has it: GPU builds; untested here (no GPU), see docs/vllm-cpu.md.
+- LoRA runs (``max_lora_rank`` > 0): vLLM starts with ``enable_lora`` and room for
+  ``resident_adapters`` adapters (the Sampler asks for S + 1), and ``install_adapter`` writes
+  each version's adapter as a PEFT directory, loads it as a ``LoRARequest`` of its own
+  (``llm_engine.add_lora``), serves it to every later ``generate`` and unloads the oldest
+  beyond ``resident_adapters`` (``remove_lora``): rollouts still in flight under a previous
+  version finish under that version's adapter. The base weights never change.
 - Rollouts are tagged with the version by the Sampler (``engine.version``).
 
 The engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), so a
@@ -22,6 +28,8 @@ Sampler's worker thread can drive it and ``collective_rpc`` reaches the model di
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import shutil
 import tempfile
@@ -42,7 +50,7 @@ from echo2.engines.base import (
     check_generate_args,
 )
 from echo2.job import PromptFormat
-from echo2.messages import ModelIdentity
+from echo2.messages import LoraAdapter, ModelIdentity
 from echo2.models.hf_tokenizer import HFTokenizer
 from echo2.models.location import load_prompt_tokenizer
 
@@ -88,6 +96,9 @@ class VLLMEngine(Engine):
             and, with the 32-token KV blocks set below, measured no faster than eager
             (496-503 vs 477-512 tok/s).
         warmup_install: reload the served weights once at start (the first reload is slow).
+        max_lora_rank: a LoRA run's largest adapter rank (0: no LoRA; the learner's
+            ``lora.rank`` or more).
+        resident_adapters: adapter versions kept loaded (a LoRA run; the Sampler passes S + 1).
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``gpu_memory_utilization``).
     """
 
@@ -104,8 +115,12 @@ class VLLMEngine(Engine):
         enforce_eager: bool | None = None,
         max_model_len: int = 2048,
         warmup_install: bool = True,
+        max_lora_rank: int = 0,
+        resident_adapters: int = 2,
         **llm_kwargs: Any,
     ) -> None:
+        if max_lora_rank < 0 or resident_adapters < 1:
+            raise ValueError("max_lora_rank must be >= 0 and resident_adapters >= 1")
         if weight_update not in ("reload", "native"):
             raise ValueError(f"weight_update must be 'reload' or 'native', got {weight_update!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -146,6 +161,17 @@ class VLLMEngine(Engine):
                 enforce_eager = True
         if enforce_eager is not None:
             llm_kwargs["enforce_eager"] = enforce_eager
+        if max_lora_rank:
+            llm_kwargs.update(
+                enable_lora=True,
+                max_lora_rank=max_lora_rank,
+                max_loras=resident_adapters,
+                max_cpu_loras=resident_adapters,
+            )
+        self._max_lora_rank = max_lora_rank
+        self._resident_adapters = resident_adapters
+        self._adapters: collections.deque[Any] = collections.deque()  # LoRARequests loaded, oldest first
+        self._lora_ids = itertools.count(1)
         self._llm = vllm.LLM(
             model=str(directory),
             dtype=dtype,
@@ -214,7 +240,8 @@ class VLLMEngine(Engine):
         )
         requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
         with self._lock:
-            outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+            adapter = self._adapters[-1] if self._adapters else None  # a LoRA run's current version
+            outputs = self._llm.generate(requests, sampling, use_tqdm=False, lora_request=adapter)
         result: list[list[Completion]] = []
         for request in outputs:
             row = []
@@ -255,6 +282,33 @@ class VLLMEngine(Engine):
             else:
                 self._install_reload(tensors)
             self._llm.reset_prefix_cache()
+            self._version = version
+        self.last_install_s = time.perf_counter() - started
+
+    def install_adapter(self, tensors: Mapping[str, np.ndarray], adapter: LoraAdapter, version: int) -> None:
+        import time
+
+        from vllm.lora.request import LoRARequest
+
+        from echo2.models.adapters import adapted_modules, save_peft
+
+        self._check_open()
+        if not self._max_lora_rank:
+            raise ValueError("this vllm engine serves no LoRA adapters: start it with engine_kwargs max_lora_rank")
+        if adapter.rank > self._max_lora_rank:
+            raise ValueError(f"adapter rank {adapter.rank} is above this engine's max_lora_rank {self._max_lora_rank}")
+        adapted_modules(tensors)  # raises before anything changes
+        started = time.perf_counter()
+        lora_id = next(self._lora_ids)
+        directory = save_peft(self._staging / f"lora-{lora_id}", tensors, adapter)
+        request = LoRARequest(f"echo2-v{version}-{lora_id}", lora_id, str(directory))
+        with self._lock:
+            self._llm.llm_engine.add_lora(request)  # loaded now, not at the next generate
+            self._adapters.append(request)
+            while len(self._adapters) > self._resident_adapters:
+                oldest = self._adapters.popleft()
+                self._llm.llm_engine.remove_lora(oldest.lora_int_id)
+                shutil.rmtree(oldest.lora_path, ignore_errors=True)
             self._version = version
         self.last_install_s = time.perf_counter() - started
 

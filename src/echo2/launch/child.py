@@ -6,12 +6,16 @@ Sets logging and torch's thread count for this process, builds the group's actor
 them in a ``ProcessRuntime`` until they finish, fail or the launcher stops them. Exit code 1
 when an actor failed, 74 when it failed because the run directory could not be written
 (full, read-only: the last line names the path and the error; ``echo2.launch.exits``).
+Once everything is closed it leaves without the interpreter's finalization
+(``exits.exit_process``: native threads could abort a finished process there).
 
 The launcher copies this process's output into ``logs/<process>.log``. If the launcher dies
 without stopping us (SIGKILL), the kernel sends SIGHUP (``PR_SET_PDEATHSIG``; elsewhere a
 1 s poll notices): the process drains as on any stop, and since nobody reads its pipe any
 more, it first points its own stdout and stderr at its log, so what the drain says (the
-learner's final summary line, a failure) is not lost.
+learner's final summary line, a failure) is not lost. Its exit goes to
+``status.orphaned.jsonl``, and the last process out writes ``status.json`` (exit code 137,
+or 1 if one of them failed) in the launcher's stead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -35,7 +40,7 @@ from echo2.errors import ActorFailed
 from echo2.launch import exits
 from echo2.observe.http import ServeError
 from echo2.observe.writers import open_writers
-from echo2.rundir import RunDir
+from echo2.rundir import RunDir, read_jsonl
 from echo2.runtime import ProcessRuntime
 from echo2.transport.auth import CurveSettings
 
@@ -214,23 +219,108 @@ def main(argv: Sequence[str] | None = None) -> int:
         _watch_launcher(watch, signals)
         await runtime.run(install_signal_handlers=True)
 
+    code = exits.OK
     try:
         _run_loop(amain())
     except ServeError as exc:  # [hosts.*] metrics_port: the port is taken
         log.error("%s: exiting: %s", args.process, exc.strerror)
-        return exits.FAILED
+        code = exits.FAILED
     except ActorFailed as exc:
-        cause = exc.__cause__
-        if isinstance(cause, OSError) and cause.errno in exits.STORAGE_ERRNOS:
+        cause = _storage_error(exc.__cause__)
+        if cause is not None:
             where = cause.filename if cause.filename is not None else resolved.run_dir
             log.error("%s: exiting: actor %r %s", args.process, exc.actor, exits.cannot_write(where, cause))
-            return exits.STORAGE
-        log.error("%s: exiting: %s", args.process, exc)
-        return exits.FAILED
+            code = exits.STORAGE
+        else:
+            log.error("%s: exiting: %s", args.process, exc)
+            code = exits.FAILED
     finally:
         if watch.launcher_gone:
             _remove_ipc_sockets(addresses, resolved.ipc_dir)
-    return exits.OK
+    if watch.launcher_gone:
+        write_orphaned_status(RunDir(run_dir), args.process, code)
+    return code
+
+
+def _storage_error(exc: BaseException | None) -> OSError | None:
+    """The write error behind ``exc`` that says the run directory is full or read-only, if
+    any: an actor's loops fail inside task groups, and a write may fail while another error
+    is handled (a full disk fails the next write too)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in exits.STORAGE_ERRNOS:
+            return current
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend((current.__cause__, current.__context__))
+    return None
+
+
+_ORPHAN_WAIT_S = 3.0
+"""How long a process whose launcher died waits for its siblings' exits before it leaves the
+status to the last of them."""
+ORPHANED_FILE = "status.orphaned.jsonl"
+"""Each process whose launcher died appends its exit here (``write_orphaned_status``)."""
+
+
+def write_orphaned_status(run: RunDir, process: str, code: int) -> None:
+    """The launcher died without writing ``status.json``: each of its processes adds its own
+    exit, and the last one out (every other process of ``pids.json`` gone or recorded)
+    writes ``status.json`` as the launcher would have (two finishing at once both write the
+    same). A full disk loses this, as it loses the launcher's own status."""
+    record = {"process": process, "exit_code": code}
+    orphaned = run.root / ORPHANED_FILE
+    try:
+        with open(orphaned, "a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")  # one write: lines of several processes never mix
+        pids = json.loads(run.pids_path.read_text())["processes"]
+        # A process that finished just before the launcher died exits without a record: it
+        # is waited for, a little (polled: its exit is announced to no one).
+        give_up = time.monotonic() + _ORPHAN_WAIT_S
+        while True:
+            exited = {r["process"]: r["exit_code"] for r in read_jsonl(orphaned).records}
+            running = [name for name, pid in pids.items() if name not in exited and _alive(pid)]
+            if not running:
+                break
+            if time.monotonic() > give_up:
+                return  # not the last one out: the last writes the status
+            time.sleep(0.05)
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("%s: cannot record its exit for the run's status: %s", process, exc)
+        return
+    failed = [name for name, c in exited.items() if c not in (exits.OK, exits.SIGNAL_BASE + signal.SIGHUP)]
+    status = {
+        "exit_code": exits.FAILED if failed else exits.LAUNCHER_KILLED,
+        "reason": "the launcher died before the run ended; its processes stopped by themselves"
+        + (f"; failed: {', '.join(sorted(failed))}" if failed else ""),
+        "processes": {name: exited.get(name) for name in pids},
+    }
+    partial = run.status_path.with_name(run.status_path.name + ".partial")
+    try:
+        partial.write_text(json.dumps(status, indent=2) + "\n")
+        os.replace(partial, run.status_path)
+    except OSError as exc:
+        log.warning("%s: status not written: %s", process, exits.cannot_write(run.status_path, exc))
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not reaped by whoever adopted it, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust the signal
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def _run_loop(coro) -> None:
@@ -248,4 +338,4 @@ def _run_loop(coro) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exits.exit_process(main())

@@ -86,16 +86,14 @@ class Ranks:
 
 
 def ranks_of(spec: ProcessSpec) -> Ranks:
-    """``spec``'s torchrun settings, read by name: the emitted steps only start each host's
-    launcher, which runs the ranks itself; what a cluster must add is the rendezvous
-    address of a learner spanning nodes and the GPUs to request."""
-    gpus = list(getattr(spec, "gpus", ()))
-    nnodes = int(getattr(spec, "nnodes", 1))
+    """``spec``'s torchrun settings: the emitted steps only start each host's launcher,
+    which runs the ranks itself; what a cluster must add is the rendezvous address of a
+    learner spanning nodes and the GPUs to request."""
     return Ranks(
-        nnodes=nnodes,
-        node_hosts=tuple(getattr(spec, "node_hosts", ()) or (spec.host,)),
-        rdzv_endpoint=str(getattr(spec, "rdzv_endpoint", "")),
-        gpus=max(gpus) + 1 if gpus else 0,
+        nnodes=spec.nnodes,
+        node_hosts=tuple(spec.node_hosts) or (spec.host,),
+        rdzv_endpoint=spec.rdzv_endpoint,
+        gpus=max(spec.gpus) + 1 if spec.gpus else 0,
     )
 
 

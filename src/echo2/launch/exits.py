@@ -8,8 +8,12 @@ the two sides and the tests agree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import logging
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -25,6 +29,9 @@ DEADLINE = 124
 SIGNAL_BASE = 128
 """Stopped by signal N: 128 + N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), as shells report it."""
 SIGINT = SIGNAL_BASE + signal.SIGINT
+LAUNCHER_KILLED = SIGNAL_BASE + signal.SIGKILL
+"""``status.json``'s code when the launcher died without writing it (a launcher stops only
+by SIGKILL that way); its processes, which drained by themselves, write it."""
 
 LAUNCHER_DIED = signal.SIGHUP
 """What the kernel sends a child when its launcher dies (``PR_SET_PDEATHSIG``, which the
@@ -52,6 +59,25 @@ def cannot_write(path: Path | str, exc: OSError) -> str:
     """One line for a write that failed: ``cannot write PATH: No space left on device (ENOSPC)``."""
     code = errno.errorcode.get(exc.errno or 0)
     return f"cannot write {path}: {exc.strerror or exc}" + (f" ({code})" if code else "")
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process the launcher started with ``code`` once its runtime has closed all it
+    owns (sockets, the ZeroMQ context, run-directory files): flush the logs and the output,
+    then leave without the interpreter's finalization, as ``multiprocessing`` ends its
+    children.
+
+    Finalization races with native threads: an executor thread that ran torch code (the
+    learner's steps and evaluations, ``asyncio.to_thread``) runs its thread-local
+    destructors after Python's join of it has returned, and one that needs the GIL once
+    finalization began unwinds through C++ frames with ``pthread_exit``: ``terminate called
+    without an active exception``, SIGABRT, and a finished run reported FAILED (pytorch
+    issue 117762; ``tests/test_launch.py`` reproduces it)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or lost stream: nothing to keep
+            stream.flush()
+    os._exit(code)
 
 
 class UsageError(Exception):

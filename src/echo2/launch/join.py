@@ -131,6 +131,7 @@ def port_addresses(port: JoinPort, dialled_host: str) -> PortAddresses:
     return PortAddresses(
         connect=tuple(rewrite_loopback(url, dialled_host) for url in port.connect),
         curve_servers=tuple(port.curve_servers),
+        stream_dial=tuple(rewrite_loopback(url, dialled_host) for url in port.stream_dial),
     )
 
 

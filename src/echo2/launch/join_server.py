@@ -77,7 +77,9 @@ class JoinServer:
         assert joined is not None
         (stand_in,) = joined.actors
         ports = {
-            name: JoinPort(connect=list(port.connect), curve_servers=list(port.curve_servers))
+            name: JoinPort(
+                connect=list(port.connect), curve_servers=list(port.curve_servers), stream_dial=list(port.stream_dial)
+            )
             for name, port in stand_in.ports.items()
         }
         telemetry = JoinPort(connect=list(joined.telemetry_connect), curve_servers=list(joined.telemetry_curve_servers))

@@ -28,13 +28,18 @@
   process that is stopped or stuck, and cannot answer for itself, is reported not ready
   within one heartbeat timeout (``echo2.observe``, ``docs/metrics.md``).
 * Each process of this host runs ``python -m echo2.launch.child --topology ... --process NAME`` in
-  its own session (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
+  its own session (one holding a distributed actor runs under torchrun instead: ``python -m
+  torch.distributed.run ... -m echo2.launch.torchrun ...``, ``nproc_per_node`` ranks, node rank
+  = this host's place in ``node_hosts``; ``echo2.launch.torchrun``), with
+  ``CUDA_VISIBLE_DEVICES`` set from its ``gpus`` (``echo2.topology.devices``; GPUs asked for and
+  absent are a bad topology) (a terminal's Ctrl-C reaches only the launcher, which decides), dies with
   the launcher (``PR_SET_PDEATHSIG`` on Linux), and has its output prefixed ``[NAME] `` here.
 * Exit codes (``echo2.launch.exits``): 0 when the run completed (a ``completes_run`` actor's
   process exited 0, or every process exited 0); 1 when a process failed or the run directory
   could not be written (full disk, read-only: the line names the path and the error; a
   child that cannot write exits 74 and is not restarted); 2 for a bad
-  topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``);
+  topology; 124 when ``run.deadline_s`` passed before the run completed (as ``timeout(1)``),
+  or when the learner's own budget (``max_wall_s``) ran out before it trained one step;
   128 + the signal's number when stopped by one: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (a
   closed terminal; not handled when the launcher was started with SIGHUP ignored, as
   ``nohup`` does). The last line says which, and ``status.json`` records it.
@@ -58,12 +63,13 @@ import ctypes.util
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -73,6 +79,7 @@ from echo2.errors import ConfigError, TransportError, one_line
 from echo2.launch import exits
 from echo2.launch.emit import EMIT_KINDS, emit
 from echo2.launch.join_server import JoinServer
+from echo2.launch.torchrun import torchrun_args
 from echo2.observe.health import ProcessWatch, health_routes
 from echo2.observe.http import ServeError, serve
 from echo2.observe.metrics import exposition, launcher_families
@@ -85,6 +92,7 @@ from echo2.topology import (
     resolve,
 )
 from echo2.topology.changes import topology_changes
+from echo2.topology.devices import VISIBLE_ENV, HostGPUs, probe_host_gpus
 from echo2.topology.preflight import check_before_launch
 from echo2.topology.schema import resolve_env_addresses
 from echo2.transport import Transport
@@ -171,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             topology = dataclasses.replace(topology, run=_replace_struct(topology.run, run_dir=str(args.run_dir)))
         topology = resolve_env_addresses(topology, os.environ)
         names = select_processes(topology, args.host)
-        notes = check_before_launch(topology, names)
+        ranks = node_ranks(topology, args.host)
+        host_gpus = _host_gpus(topology, names)
+        followers = [name for name in names if ranks.get(name, 0) > 0]
+        notes = check_before_launch(topology, names, followers=followers, host_gpus=host_gpus)
     except ConfigError as exc:
         print(f"{source}: {one_line(exc)}", file=sys.stderr)  # one line, whatever it quotes
         return exits.BAD_CONFIG
@@ -181,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         run_id = new_run_id(topology.run.name)
         resolved = resolve(topology, run_id, str(Path(topology.run.run_dir).absolute() / run_id))
-        sys.stdout.write(_banner(resolved, names, {}))
+        sys.stdout.write(_banner(resolved, names, {}, ranks))
         sys.stdout.write(_to_json(resolved) + "\n")
         return 0
 
@@ -222,16 +233,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"echo2: {exits.cannot_write(resolved_path, exc)}; nothing started", file=sys.stderr)
             return exits.FAILED
     completes = {name: any(a.cls.completes_run for a in topology.actors_in(name)) for name in names}
-    launcher = Launcher(resolved, resolved_path, names, completes)
+    # The report is about the trusted side's records (steps, activation, broadcast): a host
+    # of workers only has none, and its launcher exits with its samplers instead of after
+    # seconds of plotting nothing.
+    reported = any(a.cls.trusted for name in names for a in topology.actors_in(name))
+    launcher = Launcher(resolved, resolved_path, names, completes, node_ranks=ranks, host_gpus=host_gpus)
     try:
         return asyncio.run(launcher.run())
     except KeyboardInterrupt:  # Ctrl-C before the handlers were installed: nothing started yet
         return exits.SIGINT
     finally:  # best-effort plots + report.md in run_dir/report; never changes the exit code
         try:
-            from echo2.tools.report import write_report
+            if reported:
+                from echo2.tools.report import write_report
 
-            write_report(run_dir)
+                write_report(run_dir)
         except Exception as exc:
             logging.getLogger(__name__).warning("run report not written for %s: %s", run_dir, exc)
 
@@ -311,7 +327,38 @@ def _record_resume(run: RunDir, resolved: ResolvedTopology, *, allow_changes: bo
 
 
 def select_processes(topology: Topology, host: str | None) -> list[str]:
-    """Processes this launcher starts: ``--host``'s, else those of hosts that are this machine."""
+    """Processes this launcher starts: ``--host``'s, else those of hosts that are this machine
+    (a multi-node process on each host of its ``node_hosts``)."""
+    hosts = served_hosts(topology, host)
+    names = [name for name, spec in topology.processes.items() if spec.host in hosts or hosts & set(spec.node_hosts)]
+    if not names:
+        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
+    return names
+
+
+def node_ranks(topology: Topology, host: str | None) -> dict[str, int]:
+    """The node rank this launcher starts of each multi-node process it runs (others: 0).
+
+    ``ConfigError`` when it serves two nodes of one process (two hosts on one machine): each
+    node needs its own launcher, ``--host``."""
+    hosts = served_hosts(topology, host)
+    ranks: dict[str, int] = {}
+    for name, spec in topology.processes.items():
+        mine = [rank for rank, node in enumerate(spec.node_hosts) if node in hosts]
+        if len(mine) > 1:
+            both = ", ".join(spec.node_hosts[r] for r in mine)
+            raise ConfigError(
+                f"hosts {both} are nodes of one process and all this launcher's; start one launcher per node "
+                "with --host",
+                path=f"processes.{name}.node_hosts",
+            )
+        if mine:
+            ranks[name] = mine[0]
+    return ranks
+
+
+def served_hosts(topology: Topology, host: str | None) -> set[str]:
+    """The hosts this launcher runs: ``--host``, the only one, or those that are this machine."""
     if host is not None:
         if host not in topology.hosts:
             known = ", ".join(sorted(topology.hosts))
@@ -323,10 +370,17 @@ def select_processes(topology: Topology, host: str | None) -> list[str]:
         hosts = {name for name, spec in topology.hosts.items() if is_local_address(spec.address)}
         if not hosts:
             raise ConfigError("no host of the topology is this machine; choose one", path="--host")
-    names = [name for name, spec in topology.processes.items() if spec.host in hosts]
-    if not names:
-        raise ConfigError(f"no process is placed on host {', '.join(sorted(hosts))}", path="--host")
-    return names
+    return hosts
+
+
+def _host_gpus(topology: Topology, names: Sequence[str]) -> HostGPUs | None:
+    """This machine's GPUs when a process it starts asks for some (``nvidia-smi`` takes a while)."""
+    if not any(topology.processes[name].gpus for name in names):
+        return None
+    try:
+        return probe_host_gpus()
+    except ValueError as exc:
+        raise ConfigError(str(exc), path="gpus") from None
 
 
 def _replace_struct(struct: Any, **changes: Any) -> Any:
@@ -337,7 +391,9 @@ def _to_json(resolved: ResolvedTopology) -> str:
     return msgspec.json.format(msgspec.json.encode(resolved), indent=2).decode()
 
 
-def _banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int]) -> str:
+def _banner(
+    resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, int], ranks: Mapping[str, int] | None = None
+) -> str:
     lines = [f"echo2: run {resolved.run_id} in {resolved.run_dir}"]
     width = max((len(n) for n in names), default=0)
     for name in names:
@@ -345,7 +401,15 @@ def _banner(resolved: ResolvedTopology, names: Sequence[str], pids: dict[str, in
         threads = str(spec.torch_threads) if spec.torch_threads else "-"
         pid = f"pid {pids[name]:<7} " if name in pids else ""
         actors = ", ".join(f"{a.name} ({a.kind})" for a in spec.actors)
-        lines.append(f"echo2:   {name:<{width}}  {pid}host {spec.host}  torch threads {threads}  actors: {actors}")
+        placement = f"host {spec.host}"
+        if spec.torchrun:
+            node = (ranks or {}).get(name, 0)
+            placement = f"host {spec.node_hosts[node] if spec.node_hosts else spec.host}  torchrun {spec.nproc_per_node} rank(s)"
+            if spec.nnodes > 1:
+                placement += f" x {spec.nnodes} nodes (node {node})"
+        if spec.gpus:
+            placement += f"  gpus {','.join(map(str, spec.gpus))}"
+        lines.append(f"echo2:   {name:<{width}}  {pid}{placement}  torch threads {threads}  actors: {actors}")
     return "".join(f"{line}\n" for line in lines)
 
 
@@ -392,6 +456,8 @@ class Launcher:
         *,
         out: TextIO | None = None,
         err: TextIO | None = None,
+        node_ranks: Mapping[str, int] | None = None,
+        host_gpus: HostGPUs | None = None,
     ) -> None:
         self.resolved = resolved
         self.resolved_path = resolved_path
@@ -401,6 +467,10 @@ class Launcher:
         self.completes_run = completes_run
         self.out = out or sys.stdout
         self.err = err or sys.stderr
+        self.node_ranks = dict(node_ranks or {})
+        """Node rank of each multi-node process this launcher starts (others: 0)."""
+        self.host_gpus = host_gpus
+        """This machine's GPUs, probed when a process asks for some (``_host_gpus``)."""
         self.status = 0
         self.reason = "all processes finished"
         self._started_at = time.time()
@@ -555,7 +625,8 @@ class Launcher:
             assert child.proc is not None  # _spawn set it
             pids[name] = child.proc.pid
         self._write_pids()
-        self._to_terminal(self.out, _banner(self.resolved, [c.name for c in self.children if c.proc], pids))
+        started = [c.name for c in self.children if c.proc]
+        self._to_terminal(self.out, _banner(self.resolved, started, pids, self.node_ranks))
         self.say(
             f"started {len(pids)} process(es); logs in {self.layout.logs_dir}; Ctrl-C stops, a second Ctrl-C kills"
         )
@@ -568,17 +639,11 @@ class Launcher:
         child.returncode = None
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "echo2.launch.child",
-                "--topology",
-                str(self.resolved_path),
-                "--process",
-                name,
+                *self._command(child),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=self._child_env(child),
+                env=self._child_env(child) | self._placement_env(child),
                 start_new_session=True,
                 preexec_fn=self._child_preexec(),
             )
@@ -633,6 +698,28 @@ class Launcher:
         self._storage_errors.add(message)
         self.say(message, error=True)
         self._begin_shutdown(message, exits.FAILED)
+
+    def _command(self, child: Child) -> list[str]:
+        """The child's command line: ``echo2.launch.child``, or torchrun's agent for its ranks."""
+        spec = self.resolved.processes[child.name]
+        entry = ["-m", "echo2.launch.child"]
+        if spec.torchrun:
+            log_dir = self.layout.logs_dir / f"{child.name}.torchrun"
+            entry = torchrun_args(spec, node_rank=self.node_ranks.get(child.name, 0), log_dir=log_dir)
+        return [sys.executable, *entry, "--topology", str(self.resolved_path), "--process", child.name]
+
+    def _placement_env(self, child: Child) -> dict[str, str]:
+        """What the child's place in the topology adds to its environment: its GPUs, torchrun's."""
+        env = {}
+        spec = self.resolved.processes[child.name]
+        if spec.gpus:
+            assert self.host_gpus is not None  # probed and checked at load (main)
+            env[VISIBLE_ENV] = self.host_gpus.visible(spec.gpus)
+        if spec.torchrun:
+            # The agent forwards our SIGTERM to the ranks and kills them after this long, no
+            # sooner than we would kill it (torch versions that lack it wait a fixed 30 s).
+            env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(math.ceil(self.resolved.run.drain_timeout_s + KILL_GRACE_S))
+        return env
 
     def _child_env(self, child: Child) -> dict[str, str]:
         env = dict(os.environ)
@@ -769,7 +856,14 @@ class Launcher:
                 self._begin_shutdown(f"process {child.name!r} {failed}", exits.FAILED)
         elif child.completes_run and not self.shutting_down:
             self.say(f"{child.describe()} completed the run")
-            self._begin_shutdown(f"process {child.name!r} completed the run", 0)
+            summary = self._summary()
+            if summary.get("steps") == 0 and summary.get("stopped_by") not in (None, "max_steps"):
+                # Its own budget (max_wall_s) ran out before any batch came: nothing trained
+                # is no success, whatever stopped it.
+                why = f"process {child.name!r} stopped ({summary['stopped_by']}) before training any step"
+                self._begin_shutdown(why, exits.DEADLINE)
+            else:
+                self._begin_shutdown(f"process {child.name!r} completed the run", 0)
         else:
             self.say(f"{child.describe()} exited")
 
@@ -815,14 +909,19 @@ class Launcher:
 
     def _steps_trained(self) -> int | None:
         """Steps in the summary the learner of this host wrote during this launch, if it did."""
+        steps = self._summary().get("steps")
+        return steps if isinstance(steps, int) else None
+
+    def _summary(self) -> dict[str, Any]:
+        """The summary the learner of this host wrote during this launch ({} if none)."""
         path = self.layout.summary_path
         try:
             if path.stat().st_mtime < self._started_at:  # a previous launch's (before --resume)
-                return None
-            steps = json.loads(path.read_text()).get("steps")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return steps if isinstance(steps, int) else None
+                return {}
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return summary if isinstance(summary, dict) else {}
 
 
 async def _close_server(server: asyncio.Server) -> None:

@@ -5,7 +5,9 @@
 Several run directories (one per host of a multi-host run) are merged. Reads
 ``ledger/*.jsonl`` (the events of ``echo2.ledger``, written by the actors through
 ``ActorContext.ledger``) and the budget ``S`` from ``topology.resolved.json``. Exit status 0 when the accounting holds, 1 on any
-violation, 2 when a directory holds no ledger.
+violation, 2 when a directory is no run directory. A run directory without a ledger (a
+host whose actors never wrote an event, e.g. a sampler that never got work) is listed
+under ``without_ledger`` and the others are audited.
 
 Per task (one prompt's group), the Buffer decides exactly once: ``accepted`` or
 ``rejected`` (late, duplicate, stale on arrival, reward failure), or dropped by dynamic
@@ -19,9 +21,20 @@ A resumed learner (``--resume``) logs where it restarted; trainings of any earli
 incarnation at or after that point are void (``voided_by_resume``) and must happen again
 (a resume past a damaged checkpoint restarts before the newest one).
 
+Every leased task reaches an end: accepted (and then one of the above), dropped on arrival
+with a reason (stale, zero variance, a reward failure), abandoned after ``max_attempts``,
+or outstanding when the run stopped (leased or queued for re-issue at the PromptSource's
+end, ``outstanding``, and not leased again after it: a ``--resume`` takes it up). A lease
+that expired, a group that arrived late, as a duplicate or failed admission, ends
+nothing: the task was re-issued and its next lease must. This holds across restarts of
+any process and across resumes.
+
 Violations (each also counted per sampler in ``culprits``: the sampler the group was
-accepted from, else the last one its task was leased to, else the one the learner names):
+accepted from, else the last one its task was leased to, else the one the learner names;
+``named`` lists the tasks with that sampler):
   lost                accepted, and none of the above
+  unresolved          leased, never accepted, and no end (the lease and its task vanished)
+  accepted_twice      accepted more than once (two groups of one task stored)
   duplicated          trained more than once
   unexpected          trained, but never leased
   stale_trained       trained at learner version t from policy version v < t - S
@@ -51,7 +64,16 @@ from echo2 import ledger
 from echo2.messages import ZERO_VARIANCE
 from echo2.rundir import RunDir
 
-VIOLATIONS = ("lost", "duplicated", "unexpected", "stale_trained", "impossible_version", "late_accepted")
+VIOLATIONS = (
+    "lost",
+    "unresolved",
+    "accepted_twice",
+    "duplicated",
+    "unexpected",
+    "stale_trained",
+    "impossible_version",
+    "late_accepted",
+)
 FAILED_EXIT_CODES = (1, 74)
 """``status.json`` exit codes of a run that failed (``echo2.launch.exits``: FAILED, STORAGE);
 a deadline or a signal stops a run cleanly, and its accounting still has to hold."""
@@ -68,10 +90,14 @@ class AuditReport:
     unconsumed: int = 0
     in_flight_at_end: int = 0
     abandoned: int = 0
+    outstanding_at_end: int = 0
+    """Tasks leased or queued for re-issue when the run stopped (unfinished, not lost)."""
     zero_variance: int = 0
     """Groups dropped on arrival by dynamic sampling (all rewards equal): settled, not lost."""
     voided_by_resume: int = 0
     lost: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    accepted_twice: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     stale_trained: list[str] = field(default_factory=list)
@@ -79,6 +105,8 @@ class AuditReport:
     late_accepted: list[str] = field(default_factory=list)
     culprits: dict[str, dict[str, int]] = field(default_factory=dict)
     """violation -> sampler -> tasks (``?`` when no event names one)."""
+    named: dict[str, dict[str, str]] = field(default_factory=dict)
+    """violation -> task -> the sampler behind it (``?`` when no event names one)."""
     rejected_by_sampler: dict[str, dict[str, int]] = field(default_factory=dict)
     """Admission rejections, sampler -> reason -> groups."""
     quarantined: dict[str, str] = field(default_factory=dict)
@@ -89,6 +117,8 @@ class AuditReport:
     identity_holds: bool = True
     unreadable_lines: list[str] = field(default_factory=list)
     """Complete lines that are no ledger event (``file:line: why``); reported, not counted."""
+    without_ledger: list[str] = field(default_factory=list)
+    """Run directories given that hold no ledger (nothing in them to reconcile)."""
 
     @property
     def ok(self) -> bool:
@@ -120,10 +150,18 @@ def _budget(run_dirs: Sequence[Path]) -> int | None:
 
 def audit(run_dirs: Sequence[Path]) -> AuditReport:
     report = AuditReport(staleness_budget=_budget(run_dirs), run_failed=_run_failed(run_dirs))
+    report.without_ledger = [str(d) for d in run_dirs if not RunDir(d).ledger_dir.is_dir()]
     contents = ledger.read(run_dirs)
     report.unreadable_lines = contents.unknown_lines
     leased: set[str] = set()
     accepted: dict[str, int] = {}  # task -> lease
+    times_accepted: Counter[str] = Counter()
+    ended_on_arrival: set[str] = set()  # dropped with a reason on arrival (a settled end)
+    abandoned: set[str] = set()
+    # The PromptSource's own order (one ledger file): an ``outstanding`` ends a task only if
+    # it was not leased again after it (by a resume).
+    last_leased_at: dict[str, int] = {}
+    outstanding_at: dict[str, int] = {}
     sampler_of: dict[str, str] = {}  # task -> the sampler behind it (accepted from, else leased to)
     trained_by: dict[str, str] = {}  # task -> sampler the learner names
     expired_leases: set[int] = set()
@@ -140,21 +178,26 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
     # does not count. Resumes as (incarnation, from_version).
     resumes = [(e.incarnation, e.from_version) for e in contents.events if isinstance(e, ledger.Resumed)]
 
-    for e in contents.events:
+    for position, e in enumerate(contents.events):
         match e:
             case ledger.Leased():
                 leased.add(e.task)
+                last_leased_at[e.task] = position
                 if e.task not in accepted:
                     sampler_of[e.task] = e.sampler
                 report.leases_issued += 1
             case ledger.Accepted():
                 accepted[e.task] = e.lease
+                times_accepted[e.task] += 1
                 sampler_of[e.task] = e.sampler
                 accepted_order.append((e.task, e.lease))
             case ledger.Rejected() if e.outcome == "dropped" and e.reason == ZERO_VARIANCE:
                 report.zero_variance += 1
+                ended_on_arrival.add(e.task)
             case ledger.Rejected():
                 rejected[e.label] += 1
+                if e.outcome == "dropped":
+                    ended_on_arrival.add(e.task)
                 if e.outcome == "rejected":
                     by_reason = report.rejected_by_sampler.setdefault(e.sampler or "?", {})
                     by_reason[e.reason] = by_reason.get(e.reason, 0) + 1
@@ -182,6 +225,9 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
                     report.stale_trained.append(e.task)
             case ledger.TaskAbandoned():
                 report.abandoned += 1
+                abandoned.add(e.task)
+            case ledger.Outstanding():
+                outstanding_at[e.task] = position
             case ledger.Quarantined():
                 report.quarantined[e.sampler] = e.reason
             case ledger.Submitted() | ledger.LeaseClosed() | ledger.Requeued() | ledger.Resumed():
@@ -209,13 +255,19 @@ def audit(run_dirs: Sequence[Path]) -> AuditReport:
             continue
         report.lost.append(task)
     report.lost.sort()
+    report.accepted_twice = sorted(t for t, n in times_accepted.items() if n > 1)
+    outstanding = {t for t, at in outstanding_at.items() if at > last_leased_at.get(t, -1)}
+    report.outstanding_at_end = len(outstanding - set(accepted))
+    ended = set(accepted) | ended_on_arrival | abandoned | outstanding | set(trained) | set(dropped)
+    report.unresolved = sorted(leased - ended)
     # A group dropped must never have been trained as well.
     report.identity_holds = not (set(trained) & set(dropped))
     for name in VIOLATIONS:
         tasks = getattr(report, name)
         if tasks:
-            counts = Counter(sampler_of.get(t) or trained_by.get(t) or "?" for t in tasks)
-            report.culprits[name] = dict(sorted(counts.items()))
+            behind = {t: sampler_of.get(t) or trained_by.get(t) or "?" for t in tasks}
+            report.named[name] = behind
+            report.culprits[name] = dict(sorted(Counter(behind.values()).items()))
     return report
 
 
@@ -226,20 +278,24 @@ def _summary_lines(report: AuditReport) -> list[str]:
         f"rejected on arrival: {report.rejected or 'none'}",
         f"dropped after acceptance: {report.dropped or 'none'}",
         f"unconsumed at end {report.unconsumed}, in flight at end {report.in_flight_at_end}, "
-        f"abandoned tasks {report.abandoned}",
+        f"outstanding at end {report.outstanding_at_end}, abandoned tasks {report.abandoned}",
     ]
     if report.zero_variance:
         lines.append(f"dropped for zero reward variance (dynamic sampling, not lost): {report.zero_variance}")
     for name in VIOLATIONS:
         items = getattr(report, name)
         culprits = f" by sampler {report.culprits[name]}" if name in report.culprits else ""
-        lines.append(f"{name}: {len(items)}" + (f" (e.g. {', '.join(items[:5])}){culprits}" if items else ""))
+        named = report.named.get(name, {})
+        examples = ", ".join(f"{t} ({named.get(t, '?')})" for t in items[:5])
+        lines.append(f"{name}: {len(items)}" + (f" (e.g. {examples}){culprits}" if items else ""))
     if report.rejected_by_sampler:
         lines.append(f"rejected at admission, by sampler: {report.rejected_by_sampler}")
     for sampler, why in sorted(report.quarantined.items()):
         lines.append(f"quarantined: {sampler}: {why}")
     if report.run_failed:
         lines.append(f"run failed: {report.run_failed}")
+    if report.without_ledger:
+        lines.append(f"run directories without a ledger: {', '.join(report.without_ledger)}")
     if report.unreadable_lines:
         lines.append(f"unreadable ledger lines: {len(report.unreadable_lines)} (e.g. {report.unreadable_lines[0]})")
     lines.append("accounting identity: " + ("holds" if report.identity_holds else "VIOLATED"))
@@ -253,8 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     for run_dir in args.run_dirs:
-        if not RunDir(run_dir).ledger_dir.is_dir():
-            print(f"echo2.audit: {run_dir}: no ledger/ directory (not a run dir?)", file=sys.stderr)
+        if not RunDir(run_dir).ledger_dir.is_dir() and not RunDir(run_dir).is_run_dir():
+            print(
+                f"echo2.audit: {run_dir}: neither a ledger/ nor topology.resolved.json (not a run dir?)",
+                file=sys.stderr,
+            )
             return 2
     report = audit(args.run_dirs)
     if args.json:

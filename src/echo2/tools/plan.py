@@ -19,7 +19,8 @@ Inputs, each declared or measured (later ones win):
   version put on the wire, its delta payload when delta coding was on, beside its dense
   size), or ``--bytes-per-version``. With ``--link-mbps`` the plan predicts T_bcast from
   them (``capacity.model.t_bcast_for_bytes``: bytes / Bw), and also shows what dense
-  versions would need, so delta coding's effect on workers and staleness is visible.
+  versions would need, so delta coding's effect on workers and staleness is visible; for a
+  LoRA run (the learner's ``lora`` record), what versions of the full model would need.
 * The pool: every sampler's ``price_per_hour``; its ``mu_i`` from the simulated engine's
   speed (``group_size * min(credits, max_batch_groups)`` rollouts per
   ``seconds_per_token * max_new_tokens`` s), a run's measurement (``--run``: the
@@ -77,6 +78,9 @@ class PlanInputs:
     bytes_per_version: float | None = None
     """On the wire per version (delta payload or dense state), measured or declared."""
     dense_bytes_per_version: float | None = None
+    model_bytes_per_version: float | None = None
+    """A LoRA run's full model state (its versions carry the adapter): what a run without
+    LoRA would put on the wire per version."""
     link_mbps: float | None = None
 
 
@@ -158,6 +162,9 @@ def apply_run(inputs: PlanInputs, run_dir: Path) -> None:
             float(r.get("dense_bytes", r["bytes"])) for r in bcasts if r.get("bytes")
         )
         inputs.sources["bytes_per_version"] = f"measured ({run_dir.name})"
+    lora = run.metrics("learner", "lora")
+    if lora:
+        inputs.model_bytes_per_version = float(lora[-1]["model_bytes"])
     acts = [r for r in run.metrics("prompt_source", "activation") if r.get("mu_by_sampler")]
     if acts:
         last = acts[-1]
@@ -198,6 +205,13 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
             plan["mu_min_dense"] = round(mu_min(inputs.kappa, inputs.R, inputs.t_train_s, dense_t), 6)
         except ValueError:
             plan["mu_min_dense"] = None  # out of reach with dense versions
+    if inputs.link_mbps is not None and inputs.model_bytes_per_version is not None:
+        full_t = t_bcast_for_bytes(inputs.model_bytes_per_version, inputs.link_mbps)
+        plan.update(model_bytes_per_version=inputs.model_bytes_per_version, t_bcast_full_model_s=round(full_t, 6))
+        try:
+            plan["mu_min_full_model"] = round(mu_min(inputs.kappa, inputs.R, inputs.t_train_s, full_t), 6)
+        except ValueError:
+            plan["mu_min_full_model"] = None  # out of reach with full-model versions
     try:
         minimum = mu_min(inputs.kappa, inputs.R, inputs.t_train_s, inputs.t_bcast_s)
     except ValueError as exc:
@@ -252,6 +266,13 @@ def render(plan: dict[str, Any]) -> str:
         lines.append(
             f"dense versions would take T_bcast = {plan['t_bcast_dense_s']:.4g} s, mu_min = "
             + (f"{dense_mu:.4g} rollouts/s" if dense_mu is not None else "out of reach")
+        )
+    if "t_bcast_full_model_s" in plan:
+        full_mu = plan["mu_min_full_model"]
+        lines.append(
+            f"LoRA: versions carry the adapter; the full model's ({plan['model_bytes_per_version'] / 2**20:.4g} MiB) "
+            f"would take T_bcast = {plan['t_bcast_full_model_s']:.4g} s, mu_min = "
+            + (f"{full_mu:.4g} rollouts/s" if full_mu is not None else "out of reach")
         )
     if "mu_min" not in plan:
         lines.append(f"infeasible: {plan['reason']}")

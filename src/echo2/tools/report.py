@@ -554,6 +554,41 @@ def broadcast_records(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (_number(r.get("incarnation")) or 0, r["version"]))
 
 
+def broadcast_notes(run_dir: Path) -> list[str]:
+    """Every version's fate (its ``broadcast`` record: T_bcast, or none, and how many of the
+    active members installed it) and, when broadcast was slower than training, the
+    publisher's last word on what would restore overlap (its ``publication`` records)."""
+    run = RunDir(run_dir)
+    records = [r for r in run.all_metrics("broadcast") if _number(r.get("version")) is not None]
+    if not records:
+        return []
+    reached = [float(r["t_bcast_s"]) for r in records if _number(r.get("t_bcast_s")) is not None]
+    notes = [f"{len(records)} versions broadcast; {len(reached)} reached T_bcast"]
+    if reached:
+        notes[0] += f" (median {np.median(reached):.3g} s, max {max(reached):.3g} s)"
+    short = [r for r in records if _number(r.get("t_bcast_s")) is None]
+    if short:
+        installed = [_number(r.get("installed")) or 0.0 for r in short]
+        active = [_number(r.get("active")) or 0.0 for r in short]
+        notes.append(
+            f"{len(short)} never did (superseded, or members too slow): installed by a median of "
+            f"{np.median(installed):.3g} of {np.median(active):.3g} active members"
+        )
+    publication = run.all_metrics("publication")
+    if publication:
+        last = publication[-1]
+        bound = ">" if last.get("t_bcast_lower_bound") else ""
+        notes.append(
+            f"Broadcast was the bottleneck ({len(publication)} times said): T_bcast {bound}{last.get('t_bcast_s')} s "
+            f"> kappa x T_train = {last.get('kappa')} x {last.get('t_train_s')} s; overlap needs kappa >= "
+            f"{last.get('kappa_needed')} (S >= {last.get('staleness_needed')}) or at most "
+            f"{(_number(last.get('bytes_per_version_needed')) or 0) / 1e6:.3g} MB per version "
+            f"(was {(_number(last.get('bytes_per_version')) or 0) / 1e6:.3g} MB); {last.get('held')} snapshots waited "
+            f"for the version in flight, {last.get('skipped')} were skipped"
+        )
+    return notes
+
+
 def plot_broadcast(data: RunData, records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     """T_bcast (publication until 1/gamma of active samplers installed) per version."""
     if not records:
@@ -678,7 +713,11 @@ def admission_notes(run_dir: Path) -> list[str]:
 
 
 def render_markdown(
-    data: RunData, written: Sequence[Path], capacity_notes: Sequence[str] = (), admission: Sequence[str] = ()
+    data: RunData,
+    written: Sequence[Path],
+    capacity_notes: Sequence[str] = (),
+    admission: Sequence[str] = (),
+    broadcast: Sequence[str] = (),
 ) -> str:
     lines = [f"# Run report: {data.run_id}", "", f"Run directory: `{data.run_dir}`", ""]
     if data.actor is not None:
@@ -703,8 +742,10 @@ def render_markdown(
         lines += ["## Capacity: active set, dollars per step, bubble ratio", ""]
         lines += [f"- {note}" for note in capacity_notes]
         lines += ["", f"![Capacity]({CAPACITY_PLOT})", ""]
-    if BROADCAST_PLOT in names:
-        lines += ["## Weight broadcast: T_bcast per version", "", f"![T_bcast]({BROADCAST_PLOT})", ""]
+    if BROADCAST_PLOT in names or broadcast:
+        lines += ["## Weight broadcast: T_bcast per version", ""]
+        lines += [f"- {note}" for note in broadcast]
+        lines += ["", f"![T_bcast]({BROADCAST_PLOT})", ""] if BROADCAST_PLOT in names else [""]
     if admission:
         lines += ["## Untrusted samplers: quarantine and admission", ""]
         lines += [f"- {note}" for note in admission]
@@ -749,7 +790,9 @@ def write_report(run_dir: Path, *, window: int | None = None) -> list[Path]:
         broadcast.unlink(missing_ok=True)
     markdown = out / "report.md"
     notes = admission_notes(run.root)
-    markdown.write_text(render_markdown(data, written, capacity_notes(activations), notes), encoding="utf-8")
+    markdown.write_text(
+        render_markdown(data, written, capacity_notes(activations), notes, broadcast_notes(run.root)), encoding="utf-8"
+    )
     written.append(markdown)
     return written
 

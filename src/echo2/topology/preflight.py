@@ -18,14 +18,19 @@ before any process starts, not later with a traceback inside a child:
   cross-host binder on a loopback address, tcp ports past 65535 or clashing on one machine;
   and the tcp ports this launcher's processes bind must be free here (a note when they lie
   in the kernel's ephemeral range, where any outgoing connection may take one);
+* GPUs: the ``gpus`` of each process this launcher starts exist among the devices it sees
+  (``echo2.topology.devices``; on a machine without GPUs, any ``gpus`` fails here, unless
+  ``ECHO2_ASSUME_GPUS`` says how many to take as given); a note when processes share one;
 * for the processes this launcher starts (``processes``), what must exist on this machine:
   each sampler's engine and its ``engine_kwargs`` against the engine's signature, the model
   directory (``job.model`` or the engine's ``model_dir``), shared-memory directories, manifest signing and verification keys, and with CURVE on the
   key files each process loads (``CurveSettings.load``) and the server keys it pins.
 
 Processes on other hosts are checked by their own host's launcher (``--host``): their files
-live there. Devices are checked for their form (``echo2.config.Device``), not for being
-present: a GPU topology checks on a machine without one.
+and GPUs live there. A process this launcher starts as a node > 0 of a multi-node torchrun
+(``followers``) is checked for its GPUs and model only: its ports are bound on node 0. A
+learner's ``device`` is checked for its form (``echo2.config.Device``); only ``gpus`` is
+checked against the machine.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,11 +50,13 @@ from echo2.actors.weight_publisher import WeightPublisherConfig
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError, one_line
 from echo2.job import JobConfig, PromptFormat
+from echo2.models.adapters import LoraConfig, check_targets
 from echo2.models.location import is_hf_spec, load_prompt_tokenizer, locate_model
 from echo2.observe.writers import check_writers_available
 from echo2.registry import ENGINES
 from echo2.tasks.base import Task, load_job_task, prompts_to_check
 from echo2.topology.addresses import Addresses, topology_addresses
+from echo2.topology.devices import ASSUME_GPUS_ENV, HostGPUs
 from echo2.topology.schema import PlacedActor, Topology
 from echo2.transport.auth import CurveSettings, load_public_keys
 
@@ -58,24 +65,74 @@ _MODEL_ENGINES = ("torch", "hf", "vllm")
 _T = TypeVar("_T")
 
 
-def check_before_launch(topology: Topology, processes: Sequence[str]) -> list[str]:
+def check_before_launch(
+    topology: Topology,
+    processes: Sequence[str],
+    *,
+    followers: Collection[str] = (),
+    host_gpus: HostGPUs | None = None,
+) -> list[str]:
     """Raise ``ConfigError`` (one line, naming the field) if ``topology`` cannot run.
 
     ``processes``: those this launcher starts; what must exist on this machine is checked
-    for them only. Returns notes on checks that could not be made (to print, not to fail on).
+    for them only. ``followers``: those of them it starts as a node > 0 of a multi-node
+    torchrun. ``host_gpus``: this machine's GPUs (``probe_host_gpus``), needed when one of
+    ``processes`` lists ``gpus``. Returns notes on checks that could not be made or on
+    choices worth a second look (to print, not to fail on).
     """
     check_relations(topology)
     addresses = topology_addresses(topology, "preflight")
-    local = set(processes)
+    local = set(processes) - set(followers)
+    notes = check_gpus(topology, processes, host_gpus)
     for actor in topology.actors.values():
         if actor.process in local:
             _check_on_this_host(actor, topology.job)
             if topology.run.metric_writers and actor.cls.completes_run and actor.cls.trusted:  # the learner's process
                 check_writers_available(topology.run.metric_writers)
+        elif actor.process in followers and isinstance(actor.config, LearnerConfig):
+            _check_model(topology.job.model, "job.model")  # every rank builds the model
     if topology.security.curve:
         _check_curve(topology, addresses, local)
-    notes = _check_tcp_ports(topology, addresses, local)
+    notes += _check_tcp_ports(topology, addresses, local)
     return notes + check_job(topology.job)
+
+
+def check_gpus(topology: Topology, processes: Sequence[str], host_gpus: HostGPUs | None) -> list[str]:
+    """Each process's ``gpus`` exist among ``host_gpus``; notes on GPUs shared or assumed."""
+    asking = [name for name in processes if topology.processes[name].gpus]
+    if not asking:
+        return []
+    if host_gpus is None:
+        raise ValueError("check_gpus: processes ask for GPUs and host_gpus was not probed")
+    for name in asking:
+        gpus = topology.processes[name].gpus
+        if not host_gpus.ids:
+            raise ConfigError(
+                f"asks for GPU(s) {', '.join(map(str, gpus))} but this machine has none ({host_gpus.source}); "
+                f"start it on its GPU host (--host), or set {ASSUME_GPUS_ENV}=N to check it for a machine with N",
+                path=f"processes.{name}.gpus",
+            )
+        missing = [g for g in gpus if g >= len(host_gpus.ids)]
+        if missing:
+            raise ConfigError(
+                f"GPU {missing[0]} is not among the {len(host_gpus.ids)} this machine's launcher sees "
+                f"({host_gpus.source}): indices 0-{len(host_gpus.ids) - 1}",
+                path=f"processes.{name}.gpus",
+            )
+    notes = []
+    if host_gpus.assumed:
+        notes.append(f"gpus: checked against {host_gpus.source}, not against this machine's devices")
+    holders: dict[int, list[str]] = {}
+    for name in asking:
+        for gpu in topology.processes[name].gpus:
+            holders.setdefault(gpu, []).append(name)
+    for gpu, names in sorted(holders.items()):
+        if len(names) > 1:
+            notes.append(
+                f"gpus: GPU {gpu} is shared by processes {', '.join(names)}; each takes memory on it "
+                "(a vLLM engine its gpu_memory_utilization, up front): leave room for the others"
+            )
+    return notes
 
 
 def check_relations(topology: Topology) -> None:
@@ -94,6 +151,8 @@ def check_relations(topology: Topology) -> None:
                 f"{config.mask_high:g} is not above mask_low = {config.mask_low:g}: the masked-IS band is empty",
                 path=f"{where}.mask_high",
             )
+        if isinstance(config, LearnerConfig) and config.lora is not None:
+            _check_lora(topology, actor, config.lora)
         if isinstance(config, PromptSourceConfig):
             if 0 < config.max_inflight_groups < job.groups_per_step:
                 raise ConfigError(
@@ -104,6 +163,26 @@ def check_relations(topology: Topology) -> None:
                 raise ConfigError(
                     f"{config.max_tasks} tasks are fewer than {batch}: no step could be trained",
                     path=f"{where}.max_tasks",
+                )
+
+
+def _check_lora(topology: Topology, learner: PlacedActor, lora: LoraConfig) -> None:
+    """A LoRA learner trains on one process, and every vLLM sampler must be able to load its
+    adapters (vLLM fixes the largest rank when it starts)."""
+    if learner.cls.kind != "learner":
+        raise ConfigError(
+            f"LoRA training runs on the single-process learner, not on kind {learner.kind!r}",
+            path=f"actors.{learner.spec}.config.lora",
+        )
+    for actor in topology.actors.values():
+        config = actor.config
+        if isinstance(config, SamplerConfig) and config.engine == "vllm":
+            rank = config.engine_kwargs.get("max_lora_rank", 0)
+            if not isinstance(rank, int) or rank < lora.rank:
+                raise ConfigError(
+                    f"the learner trains LoRA adapters of rank {lora.rank} (actors.{learner.spec}.config.lora.rank): "
+                    f"the vllm engine must start with max_lora_rank >= {lora.rank}, got {rank!r}",
+                    path=f"actors.{actor.spec}.config.engine_kwargs.max_lora_rank",
                 )
 
 
@@ -119,6 +198,11 @@ def _check_on_this_host(actor: PlacedActor, job: JobConfig) -> None:
             _with_path(f"{where}.manifest_verify_key", ManifestVerifier, config.manifest_verify_key)
     elif isinstance(config, LearnerConfig):
         _check_model(job.model, "job.model")
+        if config.lora is not None:
+            try:
+                check_targets(job.model, config.lora)
+            except ValueError as exc:
+                raise ConfigError(one_line(exc), path=f"{where}.lora.target_modules") from None
     elif isinstance(config, WeightPublisherConfig):
         if config.shm_dir:
             _check_directory(config.shm_dir, f"{where}.shm_dir")
@@ -252,7 +336,7 @@ def _with_path(path: str, load: Callable[..., _T], *args: Any) -> _T:
         raise ConfigError(one_line(exc), path=path) from None
 
 
-__all__ = ["check_before_launch", "check_relations"]
+__all__ = ["check_before_launch", "check_gpus", "check_relations"]
 
 
 def check_job(job: JobConfig) -> list[str]:

@@ -38,7 +38,8 @@ def torch_threads(topology: Topology) -> dict[str, int]:
 
     A process with ``torch_threads = 0`` gets ``max(1, floor(cores * w / W))`` where ``w``
     is the sum of its actors' ``torch_weight`` and ``W`` the sum over the host's automatic
-    processes; ``w == 0`` gives 0 (the runtime leaves torch alone).
+    processes; ``w == 0`` gives 0 (the runtime leaves torch alone). Under torchrun the value
+    is per rank: an automatic share is divided among the ``nproc_per_node`` ranks.
     """
     weights = {name: sum(a.cls.torch_weight(a.config) for a in topology.actors_in(name)) for name in topology.processes}
     threads: dict[str, int] = {}
@@ -56,8 +57,8 @@ def torch_threads(topology: Topology) -> dict[str, int]:
             elif weights[p] <= 0:
                 threads[p] = 0
             else:
-                threads[p] = max(1, int(cores * weights[p] / total))
-        used = sum(threads[p] for p in members)
+                threads[p] = max(1, int(cores * weights[p] / total / topology.processes[p].nproc_per_node))
+        used = sum(threads[p] * topology.processes[p].nproc_per_node for p in members)
         if used > cores:
             log.warning(
                 "host %s: processes use %d torch threads on %d cores (%s)",
@@ -104,6 +105,18 @@ class ResolvedProcess(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``ProcessSpec.restart_backoff_s``: seconds before the first restart."""
     metrics_port: int = 0
     """Port of this process's ``/metrics`` and ``/health`` (0: off; ``HostSpec.metrics_port``)."""
+    torchrun: bool = False
+    """Started under torchrun (it holds a distributed actor; ``echo2.launch.torchrun``)."""
+    nproc_per_node: int = 1
+    """``ProcessSpec.nproc_per_node``: ranks per node under torchrun."""
+    nnodes: int = 1
+    """``ProcessSpec.nnodes``."""
+    node_hosts: list[str] = []
+    """``ProcessSpec.node_hosts``: the host of each node rank (empty: one node, ``host``)."""
+    rdzv_endpoint: str = ""
+    """``ProcessSpec.rdzv_endpoint`` (empty: a free local port, one node)."""
+    gpus: list[int] = []
+    """``ProcessSpec.gpus``: indices among the GPUs its host's launcher sees."""
 
 
 class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -147,7 +160,7 @@ class ResolvedTopology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
     """Fix addresses, threads and configs of a validated topology for one run."""
-    addresses = topology_addresses(topology, run_id)
+    addresses = topology_addresses(topology, run_id, run_dir)
     threads = torch_threads(topology)
     processes: dict[str, ResolvedProcess] = {}
     for proc_name, spec in topology.processes.items():
@@ -172,6 +185,12 @@ def resolve(topology: Topology, run_id: str, run_dir: str) -> ResolvedTopology:
             max_restarts=spec.max_restarts,
             restart_backoff_s=spec.restart_backoff_s,
             metrics_port=addresses.metrics_ports.get(proc_name, 0),
+            torchrun=any(a.cls.torchrun for a in topology.actors_in(proc_name)),
+            nproc_per_node=spec.nproc_per_node,
+            nnodes=spec.nnodes,
+            node_hosts=list(spec.node_hosts),
+            rdzv_endpoint=spec.rdzv_endpoint,
+            gpus=list(spec.gpus),
         )
     return ResolvedTopology(
         run=topology.run,

@@ -6,7 +6,8 @@ A topology says where actors run; actor code never does. The file has six tables
                       metric_writers, wandb_project, wandb_mode
     [job]             settings several actors share (echo2.job.JobConfig)
     [hosts.NAME]      address, port_base, metrics_port, join_port, cores
-    [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s
+    [processes.NAME]  host, torch_threads, restart, max_restarts, restart_backoff_s,
+                      gpus, nproc_per_node, nnodes, node_hosts, rdzv_endpoint
     [actors.NAME]     kind, process, replicas, config = {...}
     [security]        curve, keys_dir, allowed
 
@@ -36,6 +37,10 @@ Placement rules worth knowing:
 * ``join_port`` on one host lets samplers outside the topology join the running job
   (``python -m echo2.join``). Addresses are then derived as if a sampler sat on a host of
   its own (``JOIN_HOST``): every channel a sampler uses is reachable over tcp.
+* A process holding a distributed actor (``Actor.torchrun``: the ``distributed_learner``)
+  runs under torchrun, ``nproc_per_node`` ranks on each of ``nnodes`` nodes (one, its
+  ``host``, unless ``node_hosts`` names them); ``gpus`` then lists one GPU per local rank.
+  Ranks are refused for any other process: it has nothing to run on them.
 * Channels are matched by ``Port.channel`` or else the port name. A connector whose channel
   has no binder is an error; a binder without connectors still binds (inproc).
 """
@@ -112,8 +117,16 @@ class HostSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     """``[hosts.NAME]``: a machine. Processes on other hosts reach it at ``address``."""
 
     address: str = "127.0.0.1"
-    """Hostname, DNS name or IP address at which processes on other hosts reach this one, or
+    """Hostname, DNS name or IP address (IPv4 or IPv6) at which processes on other hosts reach
+    this one: the address it advertises, which behind NAT is the router's public one. Or
     ``"env:VAR"``: the value of the environment variable ``VAR`` where each launcher starts."""
+    bind: str = ""
+    """IP address of this host's own interface its tcp endpoints listen on ("": every
+    interface); behind NAT with forwarded ports, the private address ``address`` maps to."""
+    inbound: bool = True
+    """False: this host accepts no connection from other hosts (NAT or a firewall with no
+    forwarded ports). Its samplers then receive weights over connections they open to the
+    weight publisher; an actor that other hosts connect to cannot run here."""
     port_base: Annotated[int, Meta(ge=1024, le=65535)] = 28100
     """First tcp port for endpoints other hosts connect to (assigned by (actor, port));
     ports below 1024 are for services run as root. The default lies below Linux's ephemeral
@@ -144,6 +157,21 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Restarts allowed before a death of this process stops the run ("on-failure" only)."""
     restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
     """Seconds before the first restart; doubles per consecutive restart, capped at 30 s."""
+    gpus: list[Annotated[int, Meta(ge=0)]] = []
+    """GPUs this process sees (its ``CUDA_VISIBLE_DEVICES``), as indices among those its
+    host's launcher sees (``echo2.topology.devices``); under torchrun one per local rank.
+    Empty: the launcher's own, unchanged."""
+    nproc_per_node: Annotated[int, Meta(ge=1, le=1024)] = 1
+    """Ranks per node of a process holding a distributed actor (``distributed_learner``),
+    which the launcher starts under torchrun; other processes run one."""
+    nnodes: Annotated[int, Meta(ge=1, le=1024)] = 1
+    """Nodes (machines) such a process spans; more than 1 needs ``node_hosts`` and ``rdzv_endpoint``."""
+    node_hosts: list[str] = []
+    """With ``nnodes`` > 1: the host of each node rank; ``node_hosts[0]`` is ``host`` (global
+    rank 0 runs the actors and binds their ports). Each host's launcher starts its node."""
+    rdzv_endpoint: str = ""
+    """``"address:port"`` where node 0's torchrun serves the rendezvous (static); reachable from
+    every node. Required with ``nnodes`` > 1; otherwise default: a free port on this machine."""
 
 
 class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -399,6 +427,8 @@ def validate(raw: Mapping[str, Any]) -> Topology:
                 'step 0; use restart = "never" and continue a stopped run with --resume RUN_DIR',
                 path=f"processes.{actor.process}.restart",
             )
+    for name, spec in processes.items():
+        check_ranks(name, spec, topology_hosts=hosts, actors=[a for a in actors.values() if a.process == name])
     unused = sorted(set(declared) - set(processes) - {p for p in declared if "{i}" in p})
     if unused:
         log.warning("processes %s hold no actor and will not be started", ", ".join(unused))
@@ -471,6 +501,81 @@ def resolve_env_addresses(topology: Topology, environ: Mapping[str, str]) -> Top
     return dataclasses.replace(topology, hosts=hosts)
 
 
+def check_ranks(
+    name: str, spec: ProcessSpec, *, topology_hosts: Mapping[str, HostSpec], actors: Sequence[PlacedActor]
+) -> None:
+    """A process's ranks, nodes and GPUs fit together; ``ConfigError`` naming the field."""
+    where = f"processes.{name}"
+    if len(set(spec.gpus)) != len(spec.gpus):
+        raise ConfigError(f"{spec.gpus} lists a GPU twice", path=f"{where}.gpus")
+    distributed = [a for a in actors if a.cls.torchrun]
+    if len(distributed) > 1:
+        names = ", ".join(a.name for a in distributed)
+        raise ConfigError(f"holds {len(distributed)} distributed actors ({names}); one per process", path=where)
+    if not distributed:
+        for field, value in (("nproc_per_node", spec.nproc_per_node), ("nnodes", spec.nnodes)):
+            if value > 1:
+                held = ", ".join(f"{a.name} ({a.kind})" for a in actors)
+                raise ConfigError(
+                    f'{value} needs an actor that trains across ranks (kind = "distributed_learner"); '
+                    f"process {name!r} holds {held}",
+                    path=f"{where}.{field}",
+                )
+        for field, text in (("node_hosts", spec.node_hosts), ("rdzv_endpoint", spec.rdzv_endpoint)):
+            if text:
+                raise ConfigError(
+                    f"only for a process under torchrun (nnodes > 1); {name!r} is not", path=f"{where}.{field}"
+                )
+        return
+    if spec.gpus and len(spec.gpus) != spec.nproc_per_node:
+        raise ConfigError(
+            f"{len(spec.gpus)} GPU(s) {spec.gpus} for nproc_per_node = {spec.nproc_per_node} ranks: list one per rank",
+            path=f"{where}.gpus",
+        )
+    if spec.rdzv_endpoint:
+        parse_endpoint(spec.rdzv_endpoint, f"{where}.rdzv_endpoint")
+    if spec.nnodes == 1:
+        if spec.node_hosts not in ([], [spec.host]):
+            raise ConfigError(
+                f"{spec.node_hosts} for nnodes = 1: omit it (the node is host {spec.host!r})",
+                path=f"{where}.node_hosts",
+            )
+        return
+    if len(spec.node_hosts) != spec.nnodes:
+        raise ConfigError(
+            f"{len(spec.node_hosts)} host(s) for nnodes = {spec.nnodes}: list the host of each node rank",
+            path=f"{where}.node_hosts",
+        )
+    if spec.node_hosts[0] != spec.host:
+        raise ConfigError(
+            f"node rank 0 runs on {spec.node_hosts[0]!r} but the process's host is {spec.host!r}; they must be the same",
+            path=f"{where}.node_hosts",
+        )
+    for index, host in enumerate(spec.node_hosts):
+        if host not in topology_hosts:
+            raise ConfigError(f"unknown host {host!r}", path=f"{where}.node_hosts[{index}]")
+        if host in spec.node_hosts[:index]:
+            raise ConfigError(f"host {host!r} is listed twice: one node per host", path=f"{where}.node_hosts[{index}]")
+    if not spec.rdzv_endpoint:
+        address = topology_hosts[spec.host].address
+        raise ConfigError(
+            f"required with nnodes = {spec.nnodes}: node 0's rendezvous address:port that every node reaches, "
+            f'e.g. "{address}:29500"',
+            path=f"{where}.rdzv_endpoint",
+        )
+
+
+def parse_endpoint(endpoint: str, path: str) -> tuple[str, int]:
+    """``"address:port"`` (``"[v6]:port"``) -> (address, port); ``ConfigError`` at ``path``."""
+    address, colon, port = endpoint.rpartition(":")
+    address = address.removeprefix("[").removesuffix("]")
+    if not colon or not address or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f'{endpoint!r}: expected address:port with a port in 1-65535, e.g. "10.0.0.1:29500"', path=path
+        )
+    return address, int(port)
+
+
 def check_recorded_ports(record: Sequence[str], actors: Mapping[str, PlacedActor]) -> None:
     """Each ``run.record`` entry names a port of an actor; ``ConfigError`` naming the entry."""
     for index, entry in enumerate(record):
@@ -522,9 +627,11 @@ __all__ = [
     "apply_overrides",
     "channel_of",
     "check_channels",
+    "check_ranks",
     "join_host",
     "joined_placement",
     "load_topology",
+    "parse_endpoint",
     "parse_override",
     "placements",
     "resolve_env_addresses",

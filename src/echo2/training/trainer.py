@@ -11,7 +11,10 @@ after ``step`` returned. Implementations:
 * ``echo2.training.distributed.DistributedTrainer``: a ``TorchTrainer`` over DDP ranks;
   ``echo2.training.sharded.FSDPTrainer``: over FSDP2 ranks (sharded state).
 
-``make_trainer`` chooses between the first two from the Learner's configuration.
+* ``echo2.training.lora.LoraTrainer``: a ``TorchTrainer`` of LoRA adapters on a frozen base.
+
+``echo2.training.choose.make_trainer`` chooses among the single-process ones from the
+Learner's configuration.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ def load_weights(policy: Policy, directory: Path) -> None:
 
 
 def adamw(model: nn.Module, settings: StepSettings) -> torch.optim.AdamW:
-    """The optimiser of ``model``'s parameters (rebuilt by a trainer that replaces them: FSDP)."""
-    return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    """The optimiser of ``model``'s trainable parameters (all of them, or a LoRA policy's
+    adapters: ``echo2.training.lora``); rebuilt by a trainer that replaces them (FSDP)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
 class TorchTrainer:
@@ -154,10 +159,3 @@ class SimulatedTrainer:
 
     def close(self) -> None:
         pass
-
-
-def make_trainer(policy: Policy, settings: StepSettings, *, simulated_train_s: float = 0.0) -> Trainer:
-    """A ``SimulatedTrainer`` when ``simulated_train_s > 0``, else a ``TorchTrainer``."""
-    if simulated_train_s > 0:
-        return SimulatedTrainer(policy, simulated_train_s)
-    return TorchTrainer(policy, settings)

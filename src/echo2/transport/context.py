@@ -30,6 +30,7 @@ from echo2.transport.endpoint import (
     SocketOptions,
     SubscriberEndpoint,
 )
+from echo2.transport.urls import is_ipv6_url
 
 E = TypeVar("E", bound=Endpoint)
 
@@ -86,9 +87,12 @@ class Transport:
         except KeyError:
             raise TransportError(f"unknown socket kind {kind!r}") from None
         options = options or SocketOptions()
+        bind, connect = tuple(bind), tuple(connect)
         socket = self._context.socket(cls.socket_type)
         try:
             _apply_options(socket, cls.socket_type, options, identity)
+            if any(is_ipv6_url(url) for url in (*bind, *connect)):
+                socket.setsockopt(zmq.IPV6, 1)  # an IPv6 literal: also binds [::] dual-stack
             endpoint = cls(
                 socket,
                 name=name,
@@ -181,6 +185,7 @@ def _apply_options(socket: zmq.Socket, socket_type: int, options: SocketOptions,
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, options.heartbeat_timeout_ms)
     socket.setsockopt(zmq.RECONNECT_IVL, options.reconnect_ivl_ms)
     socket.setsockopt(zmq.RECONNECT_IVL_MAX, options.reconnect_ivl_max_ms)
+    socket.setsockopt(zmq.CONNECT_TIMEOUT, options.connect_timeout_ms)
     if identity is not None:
         socket.setsockopt(zmq.ROUTING_ID, identity)
     if socket_type == zmq.ROUTER:

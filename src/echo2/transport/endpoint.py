@@ -129,7 +129,13 @@ class SocketOptions:
     heartbeat_ivl_ms: int = 1000
     heartbeat_timeout_ms: int = 5000
     reconnect_ivl_ms: int = 100
-    reconnect_ivl_max_ms: int = 5000
+    reconnect_ivl_max_ms: int = 1000
+    """Back-off cap between reconnects: a link that returns is used again within it."""
+    connect_timeout_ms: int = 3000
+    """A tcp connect not answered in this long is abandoned and tried afresh. The kernel
+    backs a lost SYN off exponentially (1, 3, 7, 15 s ...): after a 12 s outage a connect
+    begun during it would otherwise wait for its next retransmission, seconds past the
+    link's return."""
     coalesce: int = DEFAULT_COALESCE
     """PUSH with ``on_full="block"``: up to this many small messages sent back to back (in
     one turn of the event loop) leave as one bundle (``codec.py``); 1 turns it off."""

@@ -19,9 +19,11 @@ a peer cannot forge a chunk that matches the publisher's (signed) manifest. "sha
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -32,6 +34,33 @@ import numpy as np
 from echo2.messages import PolicyVersion, Snapshot, TensorSpec, WeightChunk, WeightManifest
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+
+_process_pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_process_pools_lock = threading.Lock()
+
+
+def _process_pool(role: str) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's pool of threads for ``role``, one per core it may run on, shared by
+    every receiver in it (hashing and decoding release the GIL, so they run in parallel):
+    many samplers in one process must not each start a pool of as many threads as cores."""
+    with _process_pools_lock:
+        pool = _process_pools.get(role)
+        if pool is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            pool = _process_pools[role] = concurrent.futures.ThreadPoolExecutor(max(1, cores), thread_name_prefix=role)
+        return pool
+
+
+def verify_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's threads for verifying chunks (shared by its receivers)."""
+    return _process_pool("verify")
+
+
+def rebuild_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """This process's threads for rebuilding delta versions (shared by its receivers; apart
+    from the verify threads, so a chunk's verification, and with it its forwarding down the
+    chain, never queues behind decoding)."""
+    return _process_pool("rebuild")
 
 
 DEFAULT_DIGEST = "blake3"
@@ -109,6 +138,7 @@ def make_manifest(
         digest=digest(b"".join(chunk_digests), algorithm),
         published_at_s=time.time(),
         digest_algorithm=algorithm,
+        adapter=snapshot.adapter,
     )
 
 
@@ -157,6 +187,7 @@ class SnapshotAssembler:
         *,
         opener: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
         plaintext: np.ndarray | None = None,
+        on_stored: Callable[[int], None] | None = None,
     ) -> None:
         """``buffer``: memory to assemble into (``total_bytes`` of uint8, owned by this
         assembler from now on); by default a fresh allocation.
@@ -165,7 +196,10 @@ class SnapshotAssembler:
         (``echo2.weights.seal.opener_for``): ``buffer`` then holds the verified
         ciphertext (what is forwarded) and each chunk is opened once, as it is stored,
         into ``plaintext`` (same size; by default a fresh allocation), which ``tensors``
-        views."""
+        views.
+
+        ``on_stored(index)`` is called once per chunk as it is stored, in the thread that
+        stored it (a delta payload's rebuild decodes what the chunk completes)."""
         check_manifest(manifest)
         if bool(manifest.seal_key) != (opener is not None):
             raise ValueError("a sealed manifest needs an opener, and only a sealed one takes one")
@@ -184,6 +218,7 @@ class SnapshotAssembler:
         self._lock = threading.Lock()
         self.corrupt_chunks = 0
         self.started_at = time.monotonic()
+        self._on_stored = on_stored
 
     @staticmethod
     def _own(buffer: np.ndarray | None, nbytes: int) -> np.ndarray:
@@ -288,6 +323,8 @@ class SnapshotAssembler:
             with self._lock:
                 self._have[index] = True
                 self.chunks_opened += self._opener is not None
+            if self._on_stored is not None:
+                self._on_stored(index)
             return "stored"
         finally:
             with self._lock:

@@ -120,6 +120,7 @@ def seal_version(
         tensors=snapshot.tensors,
         data=sealed,
         created_at_s=snapshot.created_at_s,
+        adapter=snapshot.adapter,
     )
     manifest = make_manifest(sealed_snapshot, chunk_bytes, algorithm, chunk_digests=chunk_digests)
     return sealed_snapshot, _with_key(manifest, key)

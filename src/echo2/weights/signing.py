@@ -40,9 +40,12 @@ def signed_payload(manifest: WeightManifest) -> bytes:
     ]
     if manifest.seal_check:  # unsealed manifests sign exactly what they always did
         fields.append(manifest.seal_check)
+    if manifest.adapter is not None:  # how the tensors act on the base model is attested too
+        fields.append([b"lora", manifest.adapter.rank, manifest.adapter.alpha])
     if manifest.delta is not None:  # and dense ones too: the payload's digest is signed beside the state's
         d = manifest.delta
-        fields.append([b"delta", d.base_incarnation, d.base_version, d.total_bytes, d.digest])
+        signed = [b"delta", d.base_incarnation, d.base_version, d.total_bytes, d.digest]
+        fields.append([*signed, d.chunk_bytes] if d.chunk_bytes else signed)
     return msgspec.msgpack.encode(fields)
 
 

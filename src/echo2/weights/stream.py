@@ -47,6 +47,7 @@ ZeroMQ inbox and senders pick the transport by the scheme.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -54,6 +55,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 
@@ -66,6 +68,9 @@ log = logging.getLogger(__name__)
 
 SCHEME = "chunkstream"
 MAGIC = b"E2CK"
+DIAL_MORE_MAGIC = b"E2DN"
+"""On a dialed stream (``echo2.weights.dial``), publisher -> member: a header whose index
+is how many connections the publisher wants the member to keep dialed."""
 FORMAT = 1
 HEADER = struct.Struct("<4sB3xqqqQ")
 CHALLENGE = struct.Struct("<4sB3x32s")
@@ -118,27 +123,64 @@ def _peer_address(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
-_TCP_INFO = struct.Struct("<8x16I")  # struct tcp_info (linux/tcp.h): 8 bytes, then u32s
-_TCP_INFO_RTO, _TCP_INFO_RTT = 0, 15  # tcpi_rto, tcpi_rtt (microseconds)
+# struct tcp_info (linux/tcp.h) up to tcpi_bytes_retrans: 8 bytes of u8 fields, then u32s
+# (rto at 8, snd_mss 16, rtt 68, snd_cwnd 80, total_retrans 100), u64s from 104
+# (bytes_acked 120), u32 min_rtt at 148, u64 bytes_sent 200 and bytes_retrans 208.
+_TCP_INFO = struct.Struct("<8xI4xI48xI8xI16xI16xQ20xI48xQQ")
 
 
-def _tcp_info(sock: socket.socket | None) -> tuple[float, float]:
-    """(rto, rtt) in seconds as the kernel measures them on ``sock``; (0, 0) where it cannot
-    say (not Linux, not TCP, closed)."""
+@dataclasses.dataclass(frozen=True)
+class TcpInfo:
+    """What the kernel measured on one TCP connection (zeros where it cannot say)."""
+
+    rto_s: float = 0.0
+    rtt_s: float = 0.0
+    min_rtt_s: float = 0.0
+    mss: int = 0
+    cwnd: int = 0
+    """Congestion window, in segments."""
+    bytes_acked: int = 0
+    bytes_sent: int = 0
+    """Data bytes put on the wire, retransmissions included."""
+    bytes_retrans: int = 0
+
+
+def tcp_info(sock: socket.socket | None) -> TcpInfo:
+    """The kernel's view of ``sock`` (Linux); ``TcpInfo()`` where it cannot say (another
+    system, not TCP, closed, or a kernel older than 4.19's tcp_info)."""
     if sock is None or not hasattr(socket, "TCP_INFO"):
-        return 0.0, 0.0
+        return TcpInfo()
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
     except OSError:
-        return 0.0, 0.0
+        return TcpInfo()
     if len(raw) < _TCP_INFO.size:
-        return 0.0, 0.0
-    fields = _TCP_INFO.unpack(raw)
-    return fields[_TCP_INFO_RTO] / 1e6, fields[_TCP_INFO_RTT] / 1e6
+        return TcpInfo()
+    rto, mss, rtt, cwnd, _retrans, acked, min_rtt, sent, retrans = _TCP_INFO.unpack(raw)
+    return TcpInfo(rto / 1e6, rtt / 1e6, min_rtt / 1e6, mss, cwnd, acked, sent, retrans)
+
+
+_TCP_THIN_LINEAR_TIMEOUTS = 16  # linux/tcp.h; not in Python's socket module
+_SO_MAX_PACING_RATE = 47  # asm-generic/socket.h
+_PACING_CEILING = (1 << 31) - 1  # bytes/s: no real cap; setting any value turns the kernel's pacing on
+
+
+def tune_sender(sock: socket.socket) -> None:
+    """A chunk stream's sending socket: no Nagle delay; retransmission timeouts that do not
+    back off exponentially while few segments are in flight (the tail of a chunk on a lossy
+    path, where a doubled timeout is what makes a version late); and the kernel's pacing,
+    which spreads each window over the round trip: dozens of streams of one hop starting
+    together would otherwise burst into the bottleneck's queue at once and lose together."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_THIN_LINEAR_TIMEOUTS, 1)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, _PACING_CEILING)
 
 
 def tcp_rtt_s(transport: asyncio.BaseTransport) -> float:
-    return _tcp_info(transport.get_extra_info("socket"))[1]
+    return tcp_info(transport.get_extra_info("socket")).rtt_s
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -157,6 +199,24 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"chunk stream address needs host:port, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def listen(url: str, backlog: int = 256) -> socket.socket:
+    """A listening socket for ``tcp://HOST:PORT`` (``*``: every IPv4 interface; ``[::]``:
+    every interface, IPv6 and IPv4; port 0: any free one), non-blocking."""
+    if not url.startswith("tcp://"):
+        raise ValueError(f"a chunk stream listens on a tcp URL, got {url!r}")
+    host, _, port = url[len("tcp://") :].rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"a chunk stream listener needs host:port, got {url!r}")
+    host = "" if host == "*" else host.strip("[]")
+    if ":" in host:
+        dual = host == "::" and socket.has_dualstack_ipv6()
+        sock = socket.create_server((host, int(port)), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=dual)
+    else:
+        sock = socket.create_server((host, int(port)), family=socket.AF_INET, backlog=backlog)
+    sock.setblocking(False)
+    return sock
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -179,6 +239,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._in_place = False  # the body being read lands in its destination
         self._got = 0
         self.transport: asyncio.Transport | None = None
+        self.last_read_s = time.monotonic()
+        self.chunk_started_s = 0.0  # when the body being read began
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -219,6 +281,11 @@ class _Connection(asyncio.BufferedProtocol):
     def mid_chunk(self) -> bool:
         return self._chunk is not None
 
+    @property
+    def chunk(self) -> WeightChunk | None:
+        """The chunk whose body is being read (None between chunks)."""
+        return self._chunk
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.phase != "frames":
             # Exactly the answer's remaining bytes: nothing after it is read before admission.
@@ -235,6 +302,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._server.counters["reads"] += 1
         self._server.counters["bytes_received"] += nbytes
+        self.last_read_s = time.monotonic()
         if self._in_place:
             self._server.counters["bytes_in_place"] += nbytes  # progress is judged in these
         self._got += nbytes
@@ -271,6 +339,10 @@ class _Connection(asyncio.BufferedProtocol):
     def _start_body(self) -> None:
         server = self._server
         magic, fmt, incarnation, version, index, nbytes = HEADER.unpack(self._header)
+        if magic == DIAL_MORE_MAGIC and fmt == FORMAT and nbytes == 0 and server.on_dial_more is not None:
+            self._got = 0
+            server.on_dial_more(index)
+            return
         if magic != MAGIC or fmt != FORMAT or nbytes > server.max_chunk_bytes or index < 0:
             server.counters["malformed"] += 1
             log.warning("chunk stream: malformed frame header from a peer; closing its connection")
@@ -286,6 +358,7 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             server.counters["chunks_in_place"] += 1
         self._chunk = WeightChunk(incarnation=incarnation, version=version, index=index, data=target)
+        self.chunk_started_s = time.monotonic()
         self._body = target.data.cast("B")
         self._got = 0
         if nbytes == 0:
@@ -315,6 +388,9 @@ class ChunkStreamServer:
         handshake_timeout_s: float = 10.0,
     ) -> None:
         self.authenticate = authenticate
+        self.on_dial_more: Callable[[int], None] | None = None
+        """Set by a member that dials (``echo2.weights.dial``): the publisher asked for
+        this many dialed connections."""
         self.admit_wait_s = admit_wait_s
         self.handshake_timeout_s = handshake_timeout_s
         self._parked: dict[_Connection, float] = {}  # -> deadline (monotonic s)
@@ -350,6 +426,13 @@ class ChunkStreamServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
         return int(self._server.sockets[0].getsockname()[1])
+
+    async def serve_dialed(self, sock: socket.socket) -> asyncio.Transport:
+        """Read frames from a connection this side opened (a dialed stream: the peer
+        sends down it what it would have sent to a relay inbox)."""
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.connect_accepted_socket(lambda: _Connection(self), sock)
+        return transport
 
     async def start_on(self, listener: socket.socket) -> None:
         """Serve on a socket already bound and listening (bound early, served later);
@@ -428,15 +511,40 @@ class ChunkStreamServer:
         or unknown): what deadlines on this inbox's paths are scaled by."""
         return max((tcp_rtt_s(c.transport) for c in self._connections if c.transport is not None), default=0.0)
 
-    def drop_partial(self) -> int:
-        """Close every connection that is in the middle of a chunk (its place goes back
-        through ``abandon``); returns how many. For a consumer that saw no progress for a
-        while: a peer that sent a header and went quiet must not hold a place forever."""
-        stuck = [c for c in self._connections if c.mid_chunk and c.transport is not None]
+    def drop_partial(self, quiet_s: float = 0.0) -> int:
+        """Close every connection in the middle of a chunk that took no byte for
+        ``quiet_s`` (its place goes back through ``abandon``); returns how many. For a
+        consumer that saw no progress for a while: a peer that sent a header and went quiet
+        must not hold a place forever, while one still moving bytes (of this version or a
+        newer one) is left alone."""
+        now = time.monotonic()
+        stuck = [
+            c for c in self._connections if c.mid_chunk and c.transport is not None and now - c.last_read_s >= quiet_s
+        ]
         for connection in stuck:
             assert connection.transport is not None
             connection.transport.abort()
         return len(stuck)
+
+    def drop_stuck(self, key: PolicyVersion, quiet_s: float, age_s: float | None = None) -> list[int]:
+        """Close the connections in the middle of a chunk of version ``key`` that took no
+        byte for ``quiet_s``, or (``age_s``) have been on that chunk that long (their places
+        go back through ``abandon``); returns those chunks' indices."""
+        now = time.monotonic()
+        stuck = [
+            c
+            for c in self._connections
+            if c.transport is not None
+            and c.chunk is not None
+            and c.chunk.policy_version == key
+            and (now - c.last_read_s >= quiet_s or (age_s is not None and now - c.chunk_started_s >= age_s))
+        ]
+        indices = []
+        for connection in stuck:
+            assert connection.transport is not None and connection.chunk is not None
+            indices.append(connection.chunk.index)
+            connection.transport.abort()
+        return indices
 
     def close(self) -> None:
         if self._server is not None:
@@ -482,11 +590,93 @@ class ChunkStreamSender:
         self.closed = False
         self.stalls = 0
         """Sends that failed for want of progress."""
+        self.bytes_written = 0
+        """Bytes the kernel took on the current connection (frames whole): compared with
+        ``TcpInfo.bytes_acked``, which chunks the peer has received."""
+        self.on_lost: Callable[[], None] | None = None
+        """Called once if the peer closes the connection (it never sends on it): the chunks
+        in the kernel not yet acknowledged are lost with it (``echo2.weights.lanes``)."""
+        self._watched: tuple[asyncio.AbstractEventLoop, int] | None = None
+
+    @classmethod
+    def adopted(cls, sock: socket.socket, address: str, *, stall_timeout_s: float = 5.0) -> ChunkStreamSender:
+        """A sender on a connection the peer opened (``echo2.weights.dial``); ``address``
+        names it (``dial://member``) and it is never re-opened from here."""
+        sender = cls.__new__(cls)
+        sender.credentials = None
+        sender.address = address
+        sender._host, sender._port = "", 0
+        sender.connect_timeout_s = 0.0
+        sender.stall_timeout_s = stall_timeout_s
+        sock.setblocking(False)
+        tune_sender(sock)
+        sender._sock = sock
+        sender._lock = asyncio.Lock()
+        sender.closed = False
+        sender.stalls = 0
+        sender.bytes_written = 0
+        sender.on_lost = None
+        sender._watched = None
+        sender._watch(asyncio.get_running_loop(), sock)
+        return sender
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """Notice the peer closing (readable: it sends nothing else) even while idle."""
+        loop.add_reader(sock.fileno(), self._readable)
+        self._watched = (loop, sock.fileno())
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            loop, fd = self._watched
+            self._watched = None
+            with contextlib.suppress(RuntimeError):  # the loop closed first
+                loop.remove_reader(fd)
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            self._unwatch()
+            return
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # a peer has nothing to say on a chunk stream: dropped, only its close counts
+        self._unwatch()
+        if self.on_lost is not None:
+            self.on_lost()
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Write a control frame (whole, between chunks) on this stream."""
+        async with self._lock:
+            if self._sock is None or self.closed:
+                raise ClosedError(f"chunk stream to {self.address} is closed")
+            try:
+                await self._send_progressing(asyncio.get_running_loop(), self._sock, memoryview(frame))
+            except OSError as exc:
+                self.close()
+                raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
 
     def stall_deadline_s(self) -> float:
         """Seconds without a byte taken before a send fails (see the class docstring)."""
-        rto, _ = _tcp_info(self._sock)
-        return max(self.stall_timeout_s, 3 * rto)
+        return max(self.stall_timeout_s, 3 * tcp_info(self._sock).rto_s)
+
+    async def connect(self) -> None:
+        """Open the connection now rather than at the first send (the kernel then knows the
+        path's round trip before any chunk is cut for it)."""
+        async with self._lock:
+            if self._sock is None and not self.closed:
+                try:
+                    await self._connect(asyncio.get_running_loop())
+                except OSError as exc:
+                    raise TransportError(f"chunk stream to {self.address}: {exc}") from exc
+
+    def info(self) -> TcpInfo:
+        """The kernel's measurements of this stream (``TcpInfo()`` before it connects)."""
+        return tcp_info(self._sock)
 
     async def send(self, chunk: WeightChunk) -> bool:
         if self.closed:
@@ -506,6 +696,7 @@ class ChunkStreamSender:
                     sent = len(header)
                 if sent - len(header) < len(data):
                     await self._send_progressing(loop, sock, data[sent - len(header) :])
+                self.bytes_written += len(header) + len(data)
             except TimeoutError:
                 self.stalls += 1
                 self.close()
@@ -541,12 +732,14 @@ class ChunkStreamSender:
                 loop.remove_writer(fd)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        if not self._host:
+            raise ClosedError(f"chunk stream {self.address} was dialed by its peer and is gone")
         infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
         try:
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_sender(sock)
             async with asyncio.timeout(self.connect_timeout_s):
                 await loop.sock_connect(sock, addr)
                 if self.credentials is not None:
@@ -555,6 +748,8 @@ class ChunkStreamSender:
             sock.close()
             raise
         self._sock = sock
+        self.bytes_written = 0
+        self._watch(loop, sock)
         return sock
 
     async def _answer_challenge(
@@ -574,20 +769,25 @@ class ChunkStreamSender:
 
     def close(self) -> None:
         self.closed = True
+        self._unwatch()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
 
 __all__ = [
+    "DIAL_MORE_MAGIC",
     "HEADER",
     "SCHEME",
     "Authenticate",
     "ChunkStreamSender",
     "ChunkStreamServer",
     "StreamCredentials",
+    "TcpInfo",
     "is_stream_address",
+    "listen",
     "parse_address",
     "stream_mac",
+    "tcp_info",
     "tcp_rtt_s",
 ]
