@@ -18,7 +18,9 @@ topology, so the warm start fits the job it is for. Every ``--eval-every`` steps
 episodes is measured exactly as the learner measures it at step 0 (``echo2.envs.evaluation``,
 the job's seed); training stops the first time it lies in [--low, --high].
 
-Measured (2 cores, ``--threads 2``): see ``warm_start.json`` next to the checkpoint.
+Measured (``--threads 1``, load ~3): 160 steps, 44 s, held-out success 0.263 (the record is
+``warm_start.json`` next to the checkpoint; the same seed and thread count give the same
+bytes).
 
     python scripts/warm_start_multiturn.py      # writes examples/models/tiny_chain
 """
@@ -83,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every-near", type=int, default=5, help="steps between evaluations once near")
     parser.add_argument("--near", type=float, default=0.02, help="success rate above which evaluation is denser")
     parser.add_argument("--eval-prompts", type=int, default=300, help="held-out prompts (the example's eval_prompts)")
-    parser.add_argument("--low", type=float, default=0.08, help="lowest accepted held-out success rate")
-    parser.add_argument("--high", type=float, default=0.20, help="highest accepted held-out success rate")
+    parser.add_argument("--low", type=float, default=0.20, help="lowest accepted held-out success rate")
+    parser.add_argument("--high", type=float, default=0.35, help="highest accepted held-out success rate")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     args = parser.parse_args(argv)
 
