@@ -1,17 +1,23 @@
-"""The embedding API: a task and reward given as objects, and the user-dataset example."""
+"""The embedding API: a task, reward and environment given as objects, and the user-dataset example."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
+from echo2 import Buffer, Learner, LearnerConfig, PromptSource, Rewarder, Sampler, SamplerConfig, WeightPublisher
 from echo2.actors.testing import Idle
+from echo2.envs.base import Observation
+from echo2.envs.chain_addition import ChainAddition
 from echo2.errors import ConfigError, ResolveError
-from echo2.job import JobConfig, JobObjects
+from echo2.job import EpisodeConfig, JobConfig, JobObjects
 from echo2.pipeline import Pipeline
 from echo2.tasks.base import Prompt, check_job_task, correctness, load_job_task, reward_range
 from echo2.tasks.dataset import DatasetTask
@@ -133,3 +139,64 @@ def test_user_dataset_example_trains_watches_and_reports_pass_at_k() -> None:
     assert "[watcher] step 3" not in out
     assert "done: 4 steps, held-out pass@1 (greedy) " in out
     assert "pass@2 (2 samples per prompt at temperature 1, top_p 1; unbiased estimator (Chen et al. 2021))" in out
+
+
+# -- an environment given as an object -------------------------------------------------------
+
+
+def test_pipeline_refuses_what_is_not_an_environment_factory() -> None:
+    with pytest.raises(ConfigError, match=r"^environment: a ChainAddition instance: pass its class"):
+        Pipeline([Idle("idle")], environment=ChainAddition())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^environment: a str is not an environment factory"):
+        Pipeline([Idle("idle")], environment="chain_addition")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^environment: environment .*cannot be built: ValueError"):
+        Pipeline([Idle("idle")], environment=functools.partial(ChainAddition, operands=2))
+    with pytest.raises(ConfigError, match=r"^environment: .* built a Prompt, which lacks reset and step"):
+        Pipeline([Idle("idle")], environment=lambda: Prompt("t", "1+1=", "2"))  # type: ignore[arg-type,return-value]
+
+
+def test_an_environment_object_and_a_named_one_are_not_both_given() -> None:
+    named = JobConfig(episode=EpisodeConfig(environment="chain_addition"))
+    with pytest.raises(ConfigError, match=r"^job\.episode\.environment: names 'chain_addition' and an environment"):
+        Pipeline([Idle("idle", job=named)], environment=ChainAddition)
+    with_kwargs = JobConfig(episode=EpisodeConfig(environment_kwargs={"operands": 4}))
+    with pytest.raises(ConfigError, match=r"^job\.episode\.environment_kwargs: .*functools\.partial"):
+        Pipeline([Idle("idle", job=with_kwargs)], environment=ChainAddition)
+
+
+class CountedChain(ChainAddition):
+    """``chain_addition`` recording which thread reset each episode (whose actor played it)."""
+
+    resets: ClassVar[list[str]] = []
+
+    def reset(self, prompt: Prompt, seed: int) -> Observation:
+        CountedChain.resets.append(threading.current_thread().name)
+        return super().reset(prompt, seed)
+
+
+@pytest.mark.timeout(120)
+async def test_an_environment_object_is_played_replayed_and_evaluated(tmp_path: Path) -> None:
+    CountedChain.resets.clear()
+    # Local to this test: no import string could name it, so every use below is the object.
+    factory = functools.partial(CountedChain, operands=3, digits=2)
+    job = JobConfig(
+        group_size=4, groups_per_step=2, max_new_tokens=5, episode=EpisodeConfig(max_turns=2, max_episode_tokens=23)
+    )
+    learner = Learner("learner", LearnerConfig(max_steps=2, eval_every=2, eval_prompts=4), job)
+    actors = [
+        PromptSource("prompts", job=job),
+        Sampler("sampler", SamplerConfig(credits=4, max_batch_groups=4), job),
+        Rewarder("rewarder", job=job),
+        Buffer("buffer", job=job),
+        learner,
+        WeightPublisher("publisher", job=job),
+    ]
+    async with Pipeline(actors, run_dir=tmp_path, environment=factory) as pipeline:
+        assert all(a.job.multi_turn and a.job.episode.environment.endswith(":CountedChain") for a in actors)
+        await pipeline.wait()
+    assert learner.summary["steps"] == 2
+    # Episodes played by the sampler, replayed by the rewarder, evaluated by the learner:
+    # all in the object's environments.
+    played_by = {name.rsplit("_", 1)[0] for name in CountedChain.resets}
+    assert {"sampler-env", "rewarder-replay", "eval-env"} <= played_by, played_by
+    assert [e.pass_at_1 is not None for e in learner.evals] == [True, True]  # the environment's verdicts

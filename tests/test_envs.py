@@ -558,17 +558,39 @@ async def test_an_episode_whose_replay_fails_fails_its_lease_never_scored_0(tmp_
     assert source.counters["leases_reissued"] == 3 and source.counters["quarantined_samplers"] == 0
 
 
-async def test_a_call_queued_behind_a_hung_one_is_not_cancelled_when_the_pool_is_renewed() -> None:
+# -- environment calls under a deadline -------------------------------------------------------
+
+
+async def test_a_call_waiting_its_turn_does_not_spend_its_deadline() -> None:
     release = threading.Event()
-    calls = TimedCalls(1, name="test-timed", max_stuck=1)  # one thread; renewed at the first hang
+    calls = TimedCalls(1, name="test-timed")  # one call at a time
     try:
-        hung = asyncio.ensure_future(calls.call(0.1, release.wait, 5.0))
-        queued = asyncio.ensure_future(calls.call(2.0, lambda: 1))  # behind the hung call
-        with pytest.raises(TimeoutError):
-            await hung
-        assert calls.stuck == 1
-        release.set()  # the old pool's thread comes free and runs the queued call
-        assert await queued == 1
+        slow = asyncio.ensure_future(calls.call(30.0, release.wait, 30.0))
+        waiting = asyncio.ensure_future(calls.call(0.5, lambda: 1))  # its turn comes after `slow`
+        await asyncio.sleep(1.0)  # past the waiting call's deadline, had it run from the request
+        assert not waiting.done()
+        release.set()
+        assert await slow is True and await waiting == 1
+        assert calls.stuck == 0
+    finally:
+        release.set()
+        calls.close()
+
+
+async def test_a_call_past_its_deadline_from_its_start_times_out_and_hung_threads_are_replaced() -> None:
+    release = threading.Event()
+    renewed: list[int] = []
+    calls = TimedCalls(1, name="test-timed", max_stuck=1, on_renew=renewed.append)
+    try:
+        for _ in range(2):  # the pool's 1 + max_stuck threads: both end up held by hung calls
+            with pytest.raises(TimeoutError):
+                await calls.call(0.1, release.wait, 30.0)
+        assert calls.stuck == 2 and renewed == []
+        assert await calls.call(5.0, lambda: 2) == 2  # a fresh pool runs it at once
+        assert renewed == [2]
+        with pytest.raises(KeyError):  # what the function raises comes through as it is
+            await calls.call(5.0, {}.__getitem__, "x")
+        assert calls.stuck == 2
     finally:
         release.set()
         calls.close()

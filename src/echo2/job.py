@@ -100,14 +100,19 @@ class JobConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
 class JobObjects:
     """Python objects standing in for the job's import strings, in one process only.
 
-    The embedding API (``echo2.Pipeline(actors, task=..., reward=...)``) hands them to every
-    actor of the process, which uses them instead of importing ``JobConfig.task`` /
-    ``JobConfig.reward``. A launched run cannot carry them: each process it starts imports
-    the task by name, so there the import strings stay. Typed loosely here (this module
-    sits below ``echo2.tasks``); ``echo2.tasks.base.load_job_task`` checks them.
+    The embedding API (``echo2.Pipeline(actors, task=..., reward=..., environment=...)``)
+    hands them to every actor of the process, which uses them instead of importing
+    ``JobConfig.task`` / ``JobConfig.reward`` / ``JobConfig.episode.environment``. A
+    launched run cannot carry them: each process it starts imports the task by name, so
+    there the import strings stay. Typed loosely here (this module sits below
+    ``echo2.tasks`` and ``echo2.envs``); ``echo2.tasks.base.load_job_task`` and
+    ``echo2.envs.base.environment_object`` check them.
     """
 
     task: Any = None
     """An ``echo2.tasks.base.Task`` (its ``correct`` is the held-out predicate), or None."""
     reward: Callable[[Any, str], float] | None = None
     """A reward ``(prompt, completion) -> float`` replacing the task's own, or None."""
+    environment: Any = None
+    """An ``echo2.envs.base.EnvironmentSpec`` of the environment given as an object, which
+    replaces the one ``job.episode.environment`` would name, or None."""

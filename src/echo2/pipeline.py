@@ -7,8 +7,12 @@
 
 ``task`` and ``reward`` take Python objects (a ``Task``, a ``(prompt, completion) -> float``
 function) that every actor of the pipeline uses instead of importing ``JobConfig.task`` /
-``JobConfig.reward``: in one process nothing needs an import string. A launched run names
-them by import string, since each process it starts imports them itself.
+``JobConfig.reward``: in one process nothing needs an import string. ``environment`` takes
+an environment factory (a class, or a function building one ``echo2.envs.Environment`` per
+episode) in place of ``JobConfig.episode.environment``: it makes the job multi-turn, each
+actor's ``job.episode.environment`` then names it (the other ``[job.episode]`` settings
+stay the actors' own). A launched run names them by import string, since each process it
+starts imports them itself.
 
 Addresses come from the same derivation as the launcher's, with every actor placed in one
 process (so every channel is ``inproc://``). Entering returns once every actor's setup is
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
 from echo2.actor import Actor
+from echo2.envs.base import Environment, environment_object, with_environment_object
 from echo2.errors import ConfigError
 from echo2.job import JobObjects
 from echo2.runtime import ProcessRuntime
@@ -55,6 +60,7 @@ class Pipeline:
         drain_timeout_s: float = 10.0,
         task: Task | None = None,
         reward: RewardFn | None = None,
+        environment: Callable[[], Environment] | None = None,
     ) -> None:
         names = [actor.name for actor in actors]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -64,7 +70,12 @@ class Pipeline:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.drain_timeout_s = drain_timeout_s
         require_objects(task, reward)
-        self.job_objects = JobObjects(task=task, reward=reward) if task is not None or reward is not None else None
+        spec = environment_object(environment) if environment is not None else None
+        if spec is not None:
+            for actor in self.actors:
+                actor.job = with_environment_object(actor.job, spec)
+        given = (task, reward, spec)
+        self.job_objects = JobObjects(task, reward, spec) if any(o is not None for o in given) else None
         places = [Placement(actor=a.name, process=_PROCESS, host=DEFAULT_HOST, ports=a.ports) for a in self.actors]
         # Pure and validating: a connector without a binder fails here, before any I/O.
         self._addresses = derive_addresses(places, {DEFAULT_HOST: HostSpec()}, run_id=f"pipeline-{id(self):x}")

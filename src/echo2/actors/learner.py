@@ -57,7 +57,7 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, until_stopping
 from echo2.actors.admission import rollout_group_max_bytes
 from echo2.config import Device
-from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.base import EnvironmentSpec, load_job_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.job import JobConfig
 from echo2.messages import (
@@ -261,7 +261,7 @@ class Learner(Actor):
         self.heldout = self.task.heldout(self.config.eval_prompts)
         self._environment: EnvironmentSpec | None = None
         if self.job.multi_turn:  # held-out episodes, judged by the environment (echo2.envs.evaluation)
-            self._environment = load_environment(self.job.episode.environment, self.job.episode.environment_kwargs)
+            self._environment = load_job_environment(self.job, self.ctx.job_objects)
             self._episode_codec = load_episode_codec(self.job.model, self.job.prompt_format)
         self.version = 0
         self.incarnation = self.config.incarnation

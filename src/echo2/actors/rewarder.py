@@ -67,12 +67,12 @@ from echo2.actors.admission import (
     trusted_prompt_codec,
     trusted_texts,
 )
-from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.base import EnvironmentSpec, load_job_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits, episode_text
 from echo2.envs.play import EnvironmentFailed
 from echo2.envs.replay import ReplayMismatch, episode_segments, replay_episode
-from echo2.job import JobConfig
+from echo2.job import JobConfig, JobObjects
 from echo2.messages import (
     AdmissionWindow,
     EpisodeFailed,
@@ -87,15 +87,13 @@ from echo2.messages import (
 from echo2.tasks.base import Prompt, load_job_task, reward_range
 from echo2.tasks.calls import TimedCalls
 
-MAX_REPLAY_THREADS = 64
-"""Most threads replaying episodes at once in one Rewarder."""
-
 
 class RewarderConfig(ActorConfig, frozen=True):
     item_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
     """Seconds one completion's reward call may take before it counts as timed out."""
     threads: Annotated[int, Meta(ge=1)] = 4
-    """Worker threads that run reward code."""
+    """Reward calls run at once, each in a worker thread (and as many replays of episodes,
+    in multi-turn jobs); more wait their turn, and a call's timeout runs from when it starts."""
     max_concurrent_groups: Annotated[int, Meta(ge=1)] = 8
     """Groups scored at once; beyond it the Rewarder stops reading (backpressure)."""
     min_kept: Annotated[int, Meta(ge=0)] = 2
@@ -147,11 +145,10 @@ class Rewarder(Actor):
         self.episode_failures: dict[str, int] = {}
         self._episodes: _Replays | None = None
         if self.job.multi_turn:
-            # A thread per episode of the groups scored at once: a replay's deadline runs
-            # from its submission, so none should wait in a queue for a thread.
-            threads = min(MAX_REPLAY_THREADS, self.config.max_concurrent_groups * self.job.group_size)
-            calls = TimedCalls(threads, name=f"{self.name}-replay", max_stuck=self.config.max_stuck_threads)
-            self._episodes = await asyncio.to_thread(_Replays.load, self.job, calls)
+            # Replays are the environment's own deterministic code, CPU-bound like rewards:
+            # as many threads as rewards get (a replay waiting its turn spends no deadline).
+            calls = TimedCalls(self.config.threads, name=f"{self.name}-replay", max_stuck=self.config.max_stuck_threads)
+            self._episodes = await asyncio.to_thread(_Replays.load, self.job, ctx.job_objects, calls)
 
     def statistics(self) -> RewarderStats:
         return RewarderStats(
@@ -424,7 +421,7 @@ class _Replays:
         self.spec, self.codec, self.limits, self.admission, self.calls = spec, codec, limits, admission, calls
 
     @classmethod
-    def load(cls, job: JobConfig, calls: TimedCalls) -> _Replays:
-        spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
+    def load(cls, job: JobConfig, objects: JobObjects | None, calls: TimedCalls) -> _Replays:
+        spec = load_job_environment(job, objects)
         codec = load_episode_codec(job.model, job.prompt_format)
         return cls(spec, codec, EpisodeLimits.of_job(job), EpisodeAdmission.of_job(job, spec.replayable), calls)

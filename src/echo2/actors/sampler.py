@@ -66,12 +66,12 @@ from echo2 import ledger
 from echo2.actor import Actor, ActorConfig, Port, record_statistics, run_until_stopped, until_stopping
 from echo2.actors.work_state import SamplerWork
 from echo2.engines.base import Completion, Engine, EngineThread, SamplingParams, make_engine
-from echo2.envs.base import EnvironmentSpec, load_environment
+from echo2.envs.base import EnvironmentSpec, load_job_environment
 from echo2.envs.codec import load_episode_codec
 from echo2.envs.episode import EpisodeCodec, EpisodeLimits
 from echo2.envs.play import OTHER_EPISODE_FAILED, EpisodeRequest, episode_group, play_episodes
 from echo2.errors import ModelMismatch, TransportError
-from echo2.job import JobConfig
+from echo2.job import JobConfig, JobObjects
 from echo2.messages import (
     INSTALLED_TOPIC,
     EpisodeFailed,
@@ -164,10 +164,10 @@ class SamplerConfig(ActorConfig, frozen=True):
     publisher from a host with ``inbound = false``); the number used adapts to the path."""
     manifest_verify_key: str = ""
     """Ed25519 public key (PEM) of the learner: manifests not signed by it are rejected."""
-    environment_threads: Annotated[int, Meta(ge=1)] = 64
-    """Worker threads that run environment calls (multi-turn jobs, ``[job.episode]``): a
-    call's timeout runs from its submission, so enough for every episode of a batch
-    (``max_batch_groups`` x G) keeps a slow environment's calls from waiting in a queue."""
+    environment_threads: Annotated[int, Meta(ge=1)] = 8
+    """Environment calls run at once (multi-turn jobs, ``[job.episode]``), each in a worker
+    thread; more wait their turn, and a call's ``turn_timeout_s`` runs from when it starts.
+    Raise it for an environment that waits on I/O (a remote sandbox, a service)."""
 
 
 class Sampler(Actor):
@@ -242,7 +242,9 @@ class Sampler(Actor):
         self._episodes: _Episodes | None = None
         if self.job.multi_turn:
             model = str(self.config.engine_kwargs.get("model_dir") or self.job.model)
-            self._episodes = await asyncio.to_thread(_Episodes.load, self.job, model, self.config, self.name)
+            self._episodes = await asyncio.to_thread(
+                _Episodes.load, self.job, ctx.job_objects, model, self.config, self.name
+            )
         self._leases: deque[TaskLease] = deque()
         self._have_work = asyncio.Event()
         self._lease_arrived = asyncio.Event()
@@ -679,8 +681,10 @@ class _Episodes:
         self.spec, self.codec, self.limits, self.calls = spec, codec, limits, calls
 
     @classmethod
-    def load(cls, job: JobConfig, model: str, config: SamplerConfig, name: str) -> _Episodes:
-        spec = load_environment(job.episode.environment, job.episode.environment_kwargs)
+    def load(
+        cls, job: JobConfig, objects: JobObjects | None, model: str, config: SamplerConfig, name: str
+    ) -> _Episodes:
+        spec = load_job_environment(job, objects)
         calls = TimedCalls(config.environment_threads, name=f"{name}-env")
         return cls(spec, load_episode_codec(model, job.prompt_format), EpisodeLimits.of_job(job), calls)
 

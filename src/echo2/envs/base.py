@@ -52,10 +52,13 @@ import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
+
+import msgspec
 
 from echo2.config import check_kwargs
 from echo2.errors import ConfigError, ResolveError
+from echo2.job import JobConfig, JobObjects
 from echo2.registry import ENVIRONMENTS
 from echo2.tasks.base import Prompt
 
@@ -123,18 +126,80 @@ def load_environment(spec: str, kwargs: dict[str, Any] | None = None) -> Environ
     """
     kwargs = dict(kwargs or {})
     target = environment_factory(spec)
-    factory = functools.partial(target, **kwargs)
+    return checked_environment(spec, functools.partial(target, **kwargs))
+
+
+def checked_environment(name: str, factory: EnvironmentFactory) -> EnvironmentSpec:
+    """``factory``'s spec, once one environment it builds was checked (``reset`` and ``step``)
+    and ``replayable`` read. ``ResolveError`` naming ``name`` when it cannot be built."""
     try:
         probe = factory()
     except Exception as exc:  # user code: any failure to build means the job cannot run
-        raise ResolveError(f"environment {spec!r} cannot be built: {type(exc).__name__}: {exc}") from exc
+        raise ResolveError(f"environment {name!r} cannot be built: {type(exc).__name__}: {exc}") from exc
     try:
         if not isinstance(probe, Environment):
-            raise ResolveError(f"environment {spec!r} built a {type(probe).__name__}, which lacks reset and step")
+            raise ResolveError(f"environment {name!r} built a {type(probe).__name__}, which lacks reset and step")
         replayable = bool(getattr(probe, "replayable", True))
     finally:
         close_environment(probe)
-    return EnvironmentSpec(name=spec, factory=factory, replayable=replayable)
+    return EnvironmentSpec(name=name, factory=factory, replayable=replayable)
+
+
+def environment_object(factory: object) -> EnvironmentSpec:
+    """The spec of an environment given as an object (``echo2.Pipeline(environment=...)``):
+    a class or function called with no arguments once per episode (``functools.partial``
+    binds arguments). ``ConfigError`` (field ``environment``) for anything else, or when
+    it cannot build an environment. Its name is its import path, for the run's records."""
+    if isinstance(factory, Environment) and not isinstance(factory, type):
+        raise ConfigError(
+            f"a {type(factory).__name__} instance: pass its class or a function that builds one, since every "
+            "episode gets a fresh environment",
+            path="environment",
+        )
+    if not callable(factory):
+        raise ConfigError(
+            f"a {type(factory).__name__} is not an environment factory (a class or function building one "
+            "Environment per episode)",
+            path="environment",
+        )
+    try:
+        return checked_environment(_object_name(factory), factory)
+    except ResolveError as exc:
+        raise ConfigError(str(exc), path="environment") from None
+
+
+def _object_name(factory: Callable[..., Any]) -> str:
+    target = factory.func if isinstance(factory, functools.partial) else factory
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}:{qualname}"
+
+
+def with_environment_object(job: JobConfig, spec: EnvironmentSpec) -> JobConfig:
+    """``job`` made multi-turn in the environment given as an object: ``job.episode.environment``
+    takes its name (the object itself reaches the actors through ``JobObjects``).
+    ``ConfigError`` naming the field when the job names an environment or kwargs too."""
+    episode = job.episode
+    if episode.environment and episode.environment != spec.name:
+        raise ConfigError(
+            f"names {episode.environment!r} and an environment object is given too: pick one",
+            path="job.episode.environment",
+        )
+    if episode.environment_kwargs:
+        raise ConfigError(
+            "apply to an environment named by job.episode.environment; bind an object's arguments with "
+            "functools.partial",
+            path="job.episode.environment_kwargs",
+        )
+    return msgspec.structs.replace(job, episode=msgspec.structs.replace(episode, environment=spec.name))
+
+
+def load_job_environment(job: JobConfig, given: JobObjects | None = None) -> EnvironmentSpec:
+    """The job's environment: the one given as an object in this process (``given``, the
+    embedding API), else the one ``job.episode.environment`` names."""
+    if given is not None and given.environment is not None:
+        return cast("EnvironmentSpec", given.environment)
+    return load_environment(job.episode.environment, job.episode.environment_kwargs)
 
 
 def close_environment(env: object) -> None:
