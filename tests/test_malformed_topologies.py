@@ -281,6 +281,15 @@ CASES = [
     ),
     ("digits-negative", sub("{ digits = 2 }", "{ digits = -1 }"), "job.task_kwargs.digits", ">= 1"),
     ("digits-quoted", sub("{ digits = 2 }", '{ digits = "2" }'), "job.task_kwargs.digits", 'got the string "2"'),
+    (
+        "math-problems-typo",
+        sub(
+            'task = "addition"\ntask_kwargs = { digits = 2 }',
+            'task = "math_answer"\ntask_kwargs = { problems = "sum" }',
+        ),
+        "job.task_kwargs.problems",
+        "Expected one of 'sums', 'words', got 'sum'",
+    ),
     ("reward-missing", job('reward = "no_such_module:reward"'), "job.reward", "cannot import 'no_such_module:reward'"),
     (
         "engine-kwarg-typo",

@@ -74,6 +74,23 @@ def test_math_word_task() -> None:
     assert task.reward(p, "\\boxed{-1000}") == 0.0
 
 
+def test_math_sums_task_holds_out_operand_pairs_in_every_phrasing() -> None:
+    task = load_task("math_answer", problems="sums", max_value=15, instruction="")
+    train = list(itertools.islice(task.prompts(0), 2000))
+    for p in train[:50]:
+        assert p.answer == str(p.meta["a"] + p.meta["b"]) and 0 <= p.meta["a"] <= 15 and 0 <= p.meta["b"] <= 15
+        assert f"{p.meta['a']}" in p.text and p.text.endswith(("?", "."))
+    held = task.heldout(72)  # 18 held-out pairs x 4 phrasings: all of them, each once
+    assert len({p.text for p in held}) == 72
+    held_pairs = {(p.meta["a"], p.meta["b"]) for p in held}
+    assert len(held_pairs) == 18 and held_pairs.isdisjoint((p.meta["a"], p.meta["b"]) for p in train)
+    assert [p.text for p in task.heldout(10)] == [p.text for p in held[:10]]
+    assert task.reward(held[0], f"{held[0].meta['a']} + {held[0].meta['b']} = {held[0].answer}") == 1.0
+    assert task.reward(held[0], "To add them, you simply add them together:") == 0.0
+    with pytest.raises(ValueError, match="offers at most 72"):
+        task.heldout(73)
+
+
 def test_reasoning_gym_task() -> None:
     pytest.importorskip("reasoning_gym", reason="optional extra 'reasoning' (reasoning-gym) not installed")
     task = load_task("reasoning_gym", dataset="basic_arithmetic")
