@@ -1,6 +1,6 @@
 """Flood: a running job's memory and throughput while hostile frames hit its data process.
 
-    python benchmarks/flood.py [--seconds 60] [--frames 1000000] [--big-frames 20] [--json]
+    python -m benchmarks.flood [--seconds 60] [--frames 1000000] [--big-frames 20] [--json]
 
 One invocation runs examples/topology.toml twice for the same wall-clock length: fault-free
 (the baseline), then with a flooder process sending ``--frames`` hostile messages spread
