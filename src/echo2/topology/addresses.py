@@ -42,7 +42,6 @@ from echo2.actor import PortAddresses
 from echo2.errors import ConfigError
 from echo2.messages import TELEMETRY_CHANNEL, WEIGHTS_CHANNEL
 from echo2.topology.schema import (
-    JOIN_HOST,
     HostSpec,
     Placement,
     Topology,
@@ -252,8 +251,7 @@ def _weight_inboxes(
 
     A weight receiver whose publisher or another receiver (a chain peer) is on another host
     is reached over tcp: on a host that accepts inbound connections it listens on a fixed
-    port; on one that does not (and a joined sampler, ``schema.JOIN_HOST``) it dials its
-    publishers, which then listen on one."""
+    port; on one that does not it dials its publishers, which then listen on one."""
     publishers = [owner for owner, _ in binders.get(WEIGHTS_CHANNEL, [])]
     receivers = list({pl.actor: pl for pl in connectors.get(WEIGHTS_CHANNEL, [])}.values())
     listeners: list[Placement] = []
@@ -261,8 +259,7 @@ def _weight_inboxes(
     for receiver in receivers:
         if not any(peer.host != receiver.host for peer in [*publishers, *receivers]):
             continue
-        # A joined sampler's machine is unknown here and often behind NAT: it dials.
-        if hosts[receiver.host].inbound and receiver.host != JOIN_HOST:
+        if hosts[receiver.host].inbound:
             listeners.append(receiver)
         else:
             dialers.add(receiver.actor)

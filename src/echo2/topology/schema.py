@@ -481,7 +481,9 @@ def joined_placement(topology: Topology) -> tuple[Placement, HostSpec] | None:
     place = Placement(
         actor=JOINED_SAMPLER, process=JOINED_SAMPLER, host=JOIN_HOST, ports=sampler.ports, trusted=sampler.trusted
     )
-    return place, HostSpec(address=topology.hosts[serving].address)
+    # A joined sampler's machine is unknown here and often behind NAT: like a host that
+    # accepts no inbound connection, it dials the publisher for its weights.
+    return place, HostSpec(address=topology.hosts[serving].address, inbound=False)
 
 
 def resolve_env_addresses(topology: Topology, environ: Mapping[str, str]) -> Topology:

@@ -909,8 +909,10 @@ class WeightReceiver:
         for successor in successors:
             queue = self._forward.get(successor)
             if queue is None:
-                queue = self._forward[successor] = asyncio.Queue()
-                self._spawn(self._forward_loop(successor, queue))
+                queue = asyncio.Queue()
+                if not self._spawn(self._forward_loop(successor, queue)):
+                    return  # stopping: nothing forwards any more
+                self._forward[successor] = queue
             queue.put_nowait((assembler.key, chunk))
 
     # -- outputs ---------------------------------------------------------------------
